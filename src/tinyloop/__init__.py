@@ -1,0 +1,1 @@
+"""TinyLoop: a runtime for looped transformers."""

@@ -1,0 +1,31 @@
+"""Exceptions that TinyLoop raises on bad files and bad runtime states."""
+
+from __future__ import annotations
+
+
+class TinyLoopFormatError(ValueError):
+    """A `.tinyloop` file (or a checkpoint being converted) is not what it must be.
+
+    The message names the file, the field or tensor, what was expected and what was found.
+    """
+
+    def __init__(self, path: object, what: str, expected: str, found: str) -> None:
+        self.path = str(path)
+        self.what = what
+        self.expected = expected
+        self.found = found
+        super().__init__(f"{self.path}: {what}: expected {expected}, found {found}")
+
+
+class ModelClosedError(RuntimeError):
+    """Raised by every method of a closed Model."""
+
+    def __init__(self) -> None:
+        super().__init__("model was closed")
+
+
+class OutOfMemoryError(RuntimeError):
+    """Buffers could not be allocated; the message starts with 'out of memory'."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(f"out of memory: {detail}")

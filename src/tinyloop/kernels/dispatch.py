@@ -1,0 +1,51 @@
+"""The one place every linear layer and embedding lookup goes through.
+
+A backend registers a kernel for (weight kind, device type); anything unregistered falls back to the
+reference: dequantize, then a plain matmul.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tinyloop.quant import Int4Weight, Int8Weight
+
+Weight = torch.Tensor | Int8Weight | Int4Weight
+LinearKernel = Callable[[torch.Tensor, Weight], torch.Tensor]
+
+_LINEAR_KERNELS: dict[tuple[str, str], LinearKernel] = {}
+
+
+def weight_kind(w: Weight) -> str:
+    if isinstance(w, Int4Weight):
+        return "int4"
+    if isinstance(w, Int8Weight):
+        return "int8"
+    return "dense"
+
+
+def register_linear_kernel(kind: str, device_type: str, kernel: LinearKernel) -> None:
+    """Route `linear` for weights of `kind` ('dense'/'int8'/'int4') on `device_type` to `kernel`."""
+    _LINEAR_KERNELS[(kind, device_type)] = kernel
+
+
+def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    """x @ w.T for any weight kind."""
+    if isinstance(w, torch.Tensor) and not _LINEAR_KERNELS:
+        return F.linear(x, w)
+    kernel = _LINEAR_KERNELS.get((weight_kind(w), x.device.type))
+    if kernel is not None:
+        return kernel(x, w)
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w)
+    return F.linear(x, w.dequantize(x.dtype))
+
+
+def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of the embedding table for token ids, in `dtype`."""
+    if isinstance(w, torch.Tensor):
+        return F.embedding(ids, w).to(dtype)
+    return w.rows(ids, dtype)

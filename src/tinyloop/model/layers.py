@@ -1,0 +1,120 @@
+"""One transformer layer as plain functions: norms, RoPE, attention with a KV slot, MLP."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from tinyloop.config import ArchConfig
+from tinyloop.kernels.dispatch import linear
+from tinyloop.model.weights import LayerWeights, Norm
+
+
+class KVStore(Protocol):
+    """What attention needs from a cache: store this step's K/V in a slot, return what to attend to."""
+
+    def update(
+        self, slot: int, k: torch.Tensor, v: torch.Tensor, ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@dataclass
+class StepContext:
+    """Per-step inputs shared by every layer and loop iteration of one forward pass.
+
+    positions: [B, T] absolute positions (the same in every loop iteration).
+    cos, sin:  [B, T, head_dim/2] float32 RoPE factors for those positions.
+    mask:      [B, 1, T, S] bool (True = attend) over the S cache positions returned by the store,
+               or None to attend causally over this step's own tokens only.
+    """
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+    cache: KVStore | None
+
+
+def norm(x: torch.Tensor, w: Norm, cfg: ArchConfig) -> torch.Tensor:
+    xf = x.float()
+    if cfg.norm_kind == "rmsnorm":
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + cfg.norm_eps)
+        return y.to(x.dtype) * w.weight.to(x.dtype)
+    y = F.layer_norm(xf, (xf.shape[-1],), w.weight.float(), None if w.bias is None else w.bias.float(), cfg.norm_eps)
+    return y.to(x.dtype)
+
+
+def rope_tables(cfg: ArchConfig, length: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, [length, head_dim/2] float32."""
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, half, dtype=torch.float64) * 2.0 / cfg.head_dim))
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    return angles.cos().float().to(device), angles.sin().float().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairing: str) -> torch.Tensor:
+    """x: [B, T, heads, head_dim]; cos/sin: [B, T, head_dim/2]."""
+    xf = x.float()
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    if pairing == "half":
+        x1, x2 = xf.chunk(2, dim=-1)
+        out = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    else:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = torch.stack((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def attention(x: torch.Tensor, w: LayerWeights, cfg: ArchConfig, ctx: StepContext, slot: int) -> torch.Tensor:
+    B, T, _ = x.shape
+    qkv = linear(x, w.qkv)
+    q, k, v = qkv.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
+    if w.q_bias is not None and w.k_bias is not None:
+        q = q + w.q_bias.to(q.dtype)
+        k = k + w.k_bias.to(k.dtype)
+    q = apply_rope(q.view(B, T, cfg.n_heads, cfg.head_dim), ctx.cos, ctx.sin, cfg.rope_pairing)
+    k = apply_rope(k.view(B, T, cfg.n_kv_heads, cfg.head_dim), ctx.cos, ctx.sin, cfg.rope_pairing)
+    q = q.transpose(1, 2)  # [B, H, T, hd]
+    k = k.transpose(1, 2)  # [B, KVH, T, hd]
+    v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
+    gqa = cfg.n_heads != cfg.n_kv_heads
+    if ctx.cache is not None:
+        k_all, v_all = ctx.cache.update(slot, k, v, ctx)
+    else:
+        k_all, v_all = k, v
+    if ctx.mask is None:
+        out = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=T > 1, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=ctx.mask, enable_gqa=gqa)
+    return linear(out.transpose(1, 2).reshape(B, T, cfg.q_dim), w.out)
+
+
+def mlp(x: torch.Tensor, w: LayerWeights, cfg: ArchConfig) -> torch.Tensor:
+    if w.gate_up is not None:
+        gate, up = linear(x, w.gate_up).chunk(2, dim=-1)
+        return linear(F.silu(gate) * up, w.down)
+    assert w.up is not None
+    return linear(F.gelu(linear(x, w.up)), w.down)
+
+
+def layer(x: torch.Tensor, w: LayerWeights, cfg: ArchConfig, ctx: StepContext, slot: int) -> torch.Tensor:
+    """One transformer layer with the config's norm placement."""
+    a = attention(norm(x, w.attn_norm, cfg), w, cfg, ctx, slot)
+    if cfg.norm_placement == "pre":
+        x = x + a
+    elif cfg.norm_placement == "sandwich_out":
+        assert w.attn_post_norm is not None
+        x = x + norm(a, w.attn_post_norm, cfg)
+    else:
+        assert w.attn_post_norm is not None
+        x = norm(a + x, w.attn_post_norm, cfg)
+    m = mlp(norm(x, w.mlp_norm, cfg), w, cfg)
+    if cfg.norm_placement == "pre":
+        return x + m
+    assert w.mlp_post_norm is not None
+    if cfg.norm_placement == "sandwich_out":
+        return x + norm(m, w.mlp_post_norm, cfg)
+    return norm(m + x, w.mlp_post_norm, cfg)

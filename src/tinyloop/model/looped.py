@@ -1,0 +1,152 @@
+"""The looped forward pass: embedding -> prelude -> body x L (with injection) -> coda -> head."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tinyloop.cache.slots import body_slot, coda_slot, prelude_slot
+from tinyloop.config import ArchConfig
+from tinyloop.kernels.dispatch import embedding, linear
+from tinyloop.model.layers import StepContext, layer, norm
+from tinyloop.model.weights import ModelWeights
+
+
+@dataclass
+class ForwardOutput:
+    """logits: [B, T', V] float32 (T' = T, or 1 per row when only the last position was asked).
+
+    states (when asked): embedding output, prelude output, then the loop state after each iteration.
+    gates (when the model has an exit gate): the gate's logit after each iteration, [B, T].
+    """
+
+    logits: torch.Tensor | None
+    states: list[torch.Tensor] | None = None
+    gates: list[torch.Tensor] = field(default_factory=list)
+
+
+def embed(w: ModelWeights, cfg: ArchConfig, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    x = embedding(tokens, w.embed, dtype)
+    return x * cfg.embed_scale if cfg.embed_scale != 1.0 else x
+
+
+def run_prelude(w: ModelWeights, cfg: ArchConfig, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    for i, lw in enumerate(w.prelude):
+        x = layer(x, lw, cfg, ctx, prelude_slot(cfg, i))
+    return x
+
+
+def initial_state(
+    cfg: ArchConfig, prelude_out: torch.Tensor, positions: torch.Tensor, noise: torch.Tensor | None
+) -> torch.Tensor:
+    """The loop state before the first iteration. `noise` is a [max_position, d] table (random start)."""
+    if cfg.state_start == "prelude":
+        return prelude_out
+    if cfg.state_start == "zeros":
+        return torch.zeros_like(prelude_out)
+    assert noise is not None, "random state start needs the noise table"
+    return noise[positions].to(prelude_out.dtype)
+
+
+def state_noise_table(cfg: ArchConfig, device: torch.device | str) -> torch.Tensor | None:
+    """Seeded truncated-normal start states, one row per position, so a position's start never depends
+    on how the sequence was split into steps."""
+    if cfg.state_start != "random":
+        return None
+    gen = torch.Generator().manual_seed(cfg.state_init_seed)
+    std = cfg.state_init_std
+    table = torch.empty(cfg.max_position, cfg.d_model, dtype=torch.float32)
+    torch.nn.init.trunc_normal_(table, 0.0, std, -3 * std, 3 * std, generator=gen)
+    return table.to(device)
+
+
+def loop_iteration(
+    w: ModelWeights, cfg: ArchConfig, state: torch.Tensor, prelude_out: torch.Tensor, ctx: StepContext, loop: int
+) -> torch.Tensor:
+    """One pass of the shared body (iteration index `loop`, 0-based)."""
+    if cfg.injection == "add":
+        x = state + prelude_out
+    elif cfg.injection == "concat":
+        assert w.adapter is not None
+        x = linear(torch.cat((state, prelude_out), dim=-1), w.adapter)
+    else:
+        x = state
+    for j, lw in enumerate(w.body):
+        x = layer(x, lw, cfg, ctx, body_slot(cfg, loop, j))
+    if cfg.loop_norm == "every_loop":
+        assert w.final_norm is not None
+        x = norm(x, w.final_norm, cfg)
+    return x
+
+
+def gate_logit(w: ModelWeights, state: torch.Tensor) -> torch.Tensor:
+    assert w.exit_gate_weight is not None and w.exit_gate_bias is not None
+    g = state.float() @ w.exit_gate_weight.float().T + w.exit_gate_bias.float()
+    return g.squeeze(-1)
+
+
+def exit_hidden(w: ModelWeights, cfg: ArchConfig, state: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """The state leaving the loop, through the coda and the final norm (before the head)."""
+    x = state
+    if cfg.loop_norm == "after_loop":
+        assert w.final_norm is not None
+        x = norm(x, w.final_norm, cfg)
+    for i, lw in enumerate(w.coda):
+        x = layer(x, lw, cfg, ctx, coda_slot(cfg, i))
+    if cfg.head_norm:
+        assert w.final_norm is not None
+        x = norm(x, w.final_norm, cfg)
+    return x
+
+
+def head(w: ModelWeights, cfg: ArchConfig, x: torch.Tensor) -> torch.Tensor:
+    logits = linear(x, w.head).float()
+    return logits * cfg.logit_scale if cfg.logit_scale != 1.0 else logits
+
+
+def select_rows(x: torch.Tensor, last_index: torch.Tensor | None) -> torch.Tensor:
+    """Keep one position per row ([B, 1, d]) when `last_index` ([B]) is given."""
+    if last_index is None:
+        return x
+    idx = last_index.view(-1, 1, 1).expand(-1, 1, x.shape[-1])
+    return x.gather(1, idx)
+
+
+def forward(
+    w: ModelWeights,
+    cfg: ArchConfig,
+    tokens: torch.Tensor,
+    ctx: StepContext,
+    loops: int,
+    *,
+    dtype: torch.dtype,
+    noise: torch.Tensor | None = None,
+    last_index: torch.Tensor | None = None,
+    collect_states: bool = False,
+    on_state: Callable[[int, torch.Tensor], None] | None = None,
+) -> ForwardOutput:
+    """Full forward of tokens [B, T] at `loops` iterations; caches are read and written through ctx.
+
+    The head only sees the positions named by `last_index` when it is given (decode); the coda still
+    runs on every position, since later tokens attend to its K/V.
+    """
+    e = embed(w, cfg, tokens, dtype)
+    states: list[torch.Tensor] | None = [e] if collect_states else None
+    p = run_prelude(w, cfg, e, ctx)
+    if states is not None:
+        states.append(p)
+    s = initial_state(cfg, p, ctx.positions, noise)
+    gates: list[torch.Tensor] = []
+    for t in range(loops):
+        s = loop_iteration(w, cfg, s, p, ctx, t)
+        if states is not None:
+            states.append(s)
+        if w.exit_gate_weight is not None:
+            gates.append(gate_logit(w, s))
+        if on_state is not None:
+            on_state(t, s)
+    x = exit_hidden(w, cfg, s, ctx)
+    logits = head(w, cfg, select_rows(x, last_index))
+    return ForwardOutput(logits=logits, states=states, gates=gates)

@@ -1,0 +1,72 @@
+"""Runs forward steps of a loaded model over a KV cache: positions, masks, and cache bookkeeping."""
+
+from __future__ import annotations
+
+import torch
+
+from tinyloop.cache.kv import KVCache
+from tinyloop.config import ArchConfig
+from tinyloop.model.layers import StepContext, rope_tables
+from tinyloop.model.looped import ForwardOutput, forward, state_noise_table
+from tinyloop.model.weights import ModelWeights
+
+
+class Engine:
+    """A model's weights on one device, plus the tables every step shares (RoPE, start-state noise)."""
+
+    def __init__(self, cfg: ArchConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype) -> None:
+        self.cfg = cfg
+        self.weights = weights
+        self.device = device
+        self.dtype = dtype
+        self.cos, self.sin = rope_tables(cfg, cfg.max_position, device)
+        self.noise = state_noise_table(cfg, device)
+
+    def new_cache(self, batch: int, max_seq: int, loops: int) -> KVCache:
+        return KVCache(self.cfg, batch, max_seq, loops, self.device, self.dtype)
+
+    def context(self, positions: torch.Tensor, cache: KVCache | None, attend_len: int | None) -> StepContext:
+        """attend_len None: attend causally over this step's own tokens (no earlier context)."""
+        mask = None
+        if attend_len is not None:
+            span = torch.arange(attend_len, device=self.device)
+            mask = (span[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, S]
+        return StepContext(positions, self.cos[positions], self.sin[positions], mask, cache)
+
+    @torch.inference_mode()
+    def step(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None,
+        loops: int,
+        *,
+        valid: torch.Tensor | None = None,
+        last_only: bool = False,
+        collect_states: bool = False,
+    ) -> ForwardOutput:
+        """Append tokens [B, T] (right-padded; `valid[b]` real tokens in row b) and run the model.
+
+        Without a cache the tokens are the whole sequence from position 0.
+        """
+        B, T = tokens.shape
+        valid_cpu = torch.full((B,), T, dtype=torch.long) if valid is None else valid.to("cpu", torch.long)
+        start = torch.zeros(B, dtype=torch.long) if cache is None else cache.lengths
+        if cache is not None:
+            if loops > cache.loops:
+                raise ValueError(f"this cache holds {cache.loops} loops; {loops} were asked")
+            end = int((start + T).max())
+            if end > cache.max_seq:
+                raise ValueError(f"sequence of {end} tokens exceeds the cache's max_seq_len {cache.max_seq}")
+        if int((start + T).max()) > self.cfg.max_position:
+            raise ValueError(f"position {int((start + T).max())} exceeds the model's {self.cfg.max_position}")
+        positions = (start[:, None] + torch.arange(T)[None, :]).to(self.device)
+        fresh = cache is None or int(start.max()) == 0
+        ctx = self.context(positions, cache, None if fresh else int((start + T).max()))
+        last_index = (valid_cpu - 1).to(self.device) if last_only else None
+        out = forward(
+            self.weights, self.cfg, tokens.to(self.device), ctx, loops,
+            dtype=self.dtype, noise=self.noise, last_index=last_index, collect_states=collect_states,
+        )  # fmt: skip
+        if cache is not None:
+            cache.lengths = start + valid_cpu
+        return out
