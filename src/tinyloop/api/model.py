@@ -1,0 +1,212 @@
+"""`Model`: the public handle on one loaded model — lifecycle, scoring, generation."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from tinyloop import log
+from tinyloop.api.tokens import as_token_array
+from tinyloop.builtin import resolve_model
+from tinyloop.cache.kv import KVCache
+from tinyloop.env import RuntimeEnv
+from tinyloop.errors import ModelClosedError
+from tinyloop.model.weights import weight_bytes
+from tinyloop.runtime.generate import GenerationStats, SamplingParams, stream_tokens
+from tinyloop.runtime.loader import load_engine, pick_device
+from tinyloop.runtime.memory import check_host_memory
+
+MiB = 1 << 20
+
+
+class Model:
+    """A loaded `.tinyloop` model (or a built-in one, by name).
+
+    Token inputs are 1-D np.ndarray[int32] (lists accepted; other dtypes only when lossless).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        max_seq_len: int = 2048,
+        device: str | torch.device | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+        self._closed = True
+        self.path = resolve_model(path)
+        self.env = RuntimeEnv.read()
+        self.device = pick_device(device)
+        self.header, self._engine = load_engine(self.path, self.device, dtype)
+        cfg = self.header.config
+        if max_seq_len > cfg.max_position:
+            log.info(f"max_seq_len {max_seq_len} capped at the model's maximum position {cfg.max_position}")
+            max_seq_len = cfg.max_position
+        self.max_seq_len = max_seq_len
+        self._cache: KVCache | None = None
+        self._closed = False
+        self.last_stats = GenerationStats()
+        q = self.header.quantization
+        log.info(
+            f"{self.path.name}: format {self.header.format_version_str}, {q.bits}-bit, d={cfg.d_model}, "
+            f"heads={cfg.n_heads}/{cfg.n_kv_heads}, layers={cfg.n_prelude}+{cfg.n_body}x L+{cfg.n_coda}, "
+            f"default L={cfg.default_loops}, vocab={cfg.vocab_size}, device={self.device}"
+        )
+        log.info(f"memory: weights {weight_bytes(self._engine.weights) / MiB:.1f} MiB on {self.device}")
+
+    # ---- lifecycle ------------------------------------------------------------------------
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free weights and caches; any later call raises RuntimeError('model was closed')."""
+        if not self._closed:
+            self._closed = True
+            self._cache = None
+            del self._engine
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ModelClosedError()
+
+    # ---- metadata ---------------------------------------------------------------------------
+    @property
+    def config(self) -> dict[str, Any]:
+        self._check_open()
+        out = self.header.config.to_dict()
+        out["format_version"] = self.header.format_version_str
+        out["bits"] = self.header.quantization.bits
+        out["group_size"] = self.header.quantization.group_size
+        out["max_seq_len"] = self.max_seq_len
+        out["device"] = str(self.device)
+        return out
+
+    def vram_usage_mb(self) -> float:
+        """Bytes (MiB) this model holds on its device: weights, caches and the step workspace."""
+        self._check_open()
+        cfg = self.header.config
+        total = weight_bytes(self._engine.weights) + self._engine.cos.nbytes + self._engine.sin.nbytes
+        if self._engine.noise is not None:
+            total += self._engine.noise.nbytes
+        if self._cache is not None:
+            total += self._cache.nbytes
+        # One decode step's live activations: hidden states, qkv, MLP, logits (float32 upper bound).
+        total += 4 * (4 * cfg.d_model + cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.ffn_dim + cfg.vocab_size)
+        return total / MiB
+
+    # ---- argument checks ----------------------------------------------------------------------
+    def _loops(self, loops: int | None) -> int:
+        if loops is None:
+            return self.header.config.default_loops
+        if isinstance(loops, bool) or not isinstance(loops, (int, np.integer)) or loops <= 0:
+            raise ValueError(f"loops must be a positive integer, got {loops!r}")
+        return int(loops)
+
+    def _tokens(self, tokens: Any, name: str = "tokens") -> torch.Tensor:
+        arr = as_token_array(tokens, self.header.config.vocab_size, name)
+        if arr.size > self.max_seq_len:
+            raise ValueError(f"{name} has {arr.size} tokens, more than max_seq_len {self.max_seq_len}")
+        return torch.from_numpy(arr.astype(np.int64))
+
+    # ---- scoring ------------------------------------------------------------------------------
+    def score(self, tokens: Any, loops: int | None = None) -> np.ndarray:
+        """Next-token logits at every position: float32 [T, V]."""
+        self._check_open()
+        ids = self._tokens(tokens)
+        out = self._engine.step(ids[None], None, self._loops(loops))
+        assert out.logits is not None
+        return out.logits[0].float().cpu().numpy()
+
+    def score_last(self, tokens: Any, loops: int | None = None) -> np.ndarray:
+        """Next-token logits after the last token: float32 [V]."""
+        self._check_open()
+        ids = self._tokens(tokens)
+        out = self._engine.step(ids[None], None, self._loops(loops), last_only=True)
+        assert out.logits is not None
+        return out.logits[0, -1].float().cpu().numpy()
+
+    # ---- generation ------------------------------------------------------------------------------
+    def _generation_cache(self, loops: int) -> KVCache | None:
+        if self.env.disable_kv_cache:
+            return None
+        if self._cache is None or self._cache.loops < loops:
+            self._cache = None  # free the old buffers before allocating larger ones
+            cfg = self.header.config
+            check_host_memory(self.device, 2 * cfg.n_cache_slots(loops) * self.max_seq_len * cfg.kv_dim * 4)
+            self._cache = self._engine.new_cache(1, self.max_seq_len, loops)
+        return self._cache
+
+    def generate_stream(
+        self,
+        prompt: Any,
+        max_tokens: int = 128,
+        loops: int | None = None,
+        temperature: float = 0.8,
+        top_k: int = 50,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> Iterator[int]:
+        """Yield new token ids one at a time (arguments as in `generate`)."""
+        self._check_open()
+        ids = self._tokens(prompt, "prompt")
+        n_loops = self._loops(loops)
+        params = _sampling(max_tokens, temperature, top_k, top_p, seed)
+        if ids.numel() + max_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({ids.numel()} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len {self.max_seq_len}"
+            )
+        cache = self._generation_cache(n_loops)
+        self.last_stats = GenerationStats()
+        return stream_tokens(self._engine, cache, ids, max_tokens, n_loops, params, self.last_stats)
+
+    def generate(
+        self,
+        prompt: Any,
+        max_tokens: int = 128,
+        loops: int | None = None,
+        temperature: float = 0.8,
+        top_k: int = 50,
+        top_p: float = 1.0,
+        seed: int | None = None,
+    ) -> np.ndarray:
+        """New token ids (np.int32) after `prompt`. temperature 0 is greedy; a seed makes sampling repeat."""
+        return np.fromiter(
+            self.generate_stream(prompt, max_tokens, loops, temperature, top_k, top_p, seed), dtype=np.int32
+        )
+
+
+def _sampling(max_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> SamplingParams:
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
+        raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
+    if not isinstance(temperature, (int, float)) or not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
+    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
+        raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}")
+    return SamplingParams(float(temperature), int(top_k), float(top_p), None if seed is None else int(seed))
+
+
+def load(path: str | os.PathLike[str], max_seq_len: int = 2048, device: str | torch.device | None = None) -> Model:
+    """Alias of the Model constructor."""
+    return Model(path, max_seq_len=max_seq_len, device=device)
+
+
+__all__ = ["Model", "load"]
