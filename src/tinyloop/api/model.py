@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from tinyloop import log
+from tinyloop.api.introspection import IntrospectionMixin
 from tinyloop.api.tokens import as_token_array
 from tinyloop.builtin import resolve_model
 from tinyloop.cache.kv import KVCache
@@ -23,7 +24,7 @@ from tinyloop.runtime.memory import check_host_memory
 MiB = 1 << 20
 
 
-class Model:
+class Model(IntrospectionMixin):
     """A loaded `.tinyloop` model (or a built-in one, by name).
 
     Token inputs are 1-D np.ndarray[int32] (lists accepted; other dtypes only when lossless).

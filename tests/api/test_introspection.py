@@ -1,0 +1,85 @@
+"""Logit lens, trajectory, uncertainty and consistency: exact against separate naive runs per depth."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tinyloop
+from helpers import frob_rel_error, max_rel_error, random_flat_weights
+from naive_reference import naive_forward
+from tinyloop.presets import preset
+from tinyloop.runtime.introspect import stable_depth
+
+TOKENS = np.array([3, 14, 15, 92, 65, 35, 89, 79, 32], dtype=np.int32)
+LOOPS = 5
+
+
+@pytest.fixture(scope="module")
+def model(tiny_files):
+    with tinyloop.Model(tiny_files["f32"], max_seq_len=64) as m:
+        yield m
+
+
+@pytest.fixture(scope="module")
+def naive_runs():
+    cfg = preset("test-tiny")
+    flat = random_flat_weights(cfg, seed=7)
+    return [naive_forward(cfg, flat, TOKENS.tolist(), depth) for depth in range(1, LOOPS + 1)]
+
+
+def test_lens_rows_equal_separate_runs_at_each_depth(model, naive_runs) -> None:
+    lens = model.score_logit_lens(TOKENS, loops=LOOPS)
+    assert lens.shape == (LOOPS, len(TOKENS), 256) and lens.dtype == np.float32
+    for depth, (ref_logits, _, _) in enumerate(naive_runs):
+        assert max_rel_error(torch.from_numpy(lens[depth]), ref_logits) <= 1e-5, depth
+    assert np.array_equal(lens[-1], model.score(TOKENS, loops=LOOPS))
+
+
+def test_lens_positions_and_top_k(model) -> None:
+    full = model.score_logit_lens(TOKENS, loops=LOOPS)
+    some = model.score_logit_lens(TOKENS, loops=LOOPS, positions=[0, -1])
+    assert np.array_equal(some, full[:, [0, -1]])
+    idx, val = model.score_logit_lens(TOKENS, loops=LOOPS, top_k=4)
+    assert idx.shape == val.shape == (LOOPS, len(TOKENS), 4) and idx.dtype == np.int32
+    assert np.array_equal(idx[..., 0], full.argmax(-1))
+    assert np.allclose(val[..., 0], full.max(-1))
+    with pytest.raises(ValueError, match="positions"):
+        model.score_logit_lens(TOKENS, loops=2, positions=[len(TOKENS)])
+    with pytest.raises(ValueError, match="top_k"):
+        model.score_logit_lens(TOKENS, loops=2, top_k=0)
+
+
+def test_trajectory_matches_naive_states(model, naive_runs) -> None:
+    traj = model.score_trajectory(TOKENS, loops=LOOPS)
+    assert traj.shape == (2 + LOOPS, len(TOKENS), 64)
+    _, ref_states, _ = naive_runs[-1]
+    for got, ref in zip(traj, ref_states):
+        assert frob_rel_error(torch.from_numpy(got), ref) <= 1e-5
+
+
+def test_uncertainty_kl_matches_hand_computation(model, naive_runs) -> None:
+    res = model.score_with_uncertainty(TOKENS, loops=LOOPS)
+    assert res.kl.shape == (LOOPS - 1, len(TOKENS))
+    for i in range(LOOPS - 1):
+        p = torch.log_softmax(naive_runs[i + 1][0], -1)
+        q = torch.log_softmax(naive_runs[i][0], -1)
+        ref = (p.exp() * (p - q)).sum(-1)
+        assert np.allclose(res.kl[i], ref.numpy(), rtol=1e-3, atol=1e-6)
+    assert np.array_equal(res.kl_final, res.kl[-1])
+    assert (res.entropy > 0).all() and (res.entropy <= np.log(256) + 1e-4).all()
+
+
+def test_consistency_gate_and_stable_depth(model) -> None:
+    res = model.score_with_consistency(TOKENS, loops=LOOPS, window=2)
+    lens = model.score_logit_lens(TOKENS, loops=LOOPS)
+    assert np.array_equal(res.argmax, lens.argmax(-1))
+    assert np.array_equal(res.consistent, res.argmax[-1] == res.argmax[-2])
+    with pytest.raises(ValueError, match="window"):
+        model.score_with_consistency(TOKENS, loops=3, window=4)
+
+
+def test_stable_depth_by_hand() -> None:
+    argmax = torch.tensor([[1, 5, 2], [2, 5, 2], [2, 5, 3], [2, 5, 2]])
+    assert stable_depth(argmax).tolist() == [2, 1, 4]
