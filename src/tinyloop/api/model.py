@@ -20,6 +20,7 @@ from tinyloop.model.weights import weight_bytes
 from tinyloop.runtime.generate import GenerationStats, SamplingParams, stream_tokens
 from tinyloop.runtime.loader import load_engine, pick_device
 from tinyloop.runtime.memory import check_host_memory
+from tinyloop.runtime.token_exit import report_token_exit, score_with_token_exit
 
 MiB = 1 << 20
 
@@ -125,21 +126,33 @@ class Model(IntrospectionMixin):
         return torch.from_numpy(arr.astype(np.int64))
 
     # ---- scoring ------------------------------------------------------------------------------
-    def score(self, tokens: Any, loops: int | None = None) -> np.ndarray:
-        """Next-token logits at every position: float32 [T, V]."""
+    def _score_logits(self, tokens: Any, loops: int | None, token_exit: int | None, last_only: bool) -> torch.Tensor:
         self._check_open()
         ids = self._tokens(tokens)
-        out = self._engine.step(ids[None], None, self._loops(loops))
+        n_loops = self._loops(loops)
+        patience = self.env.token_exit if token_exit is None else token_exit
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
+            raise ValueError(f"token_exit must be an integer >= 0 (0 disables it), got {token_exit!r}")
+        if patience:
+            res = score_with_token_exit(self._engine, ids, n_loops, patience)
+            if self.env.token_exit_verbose:
+                report_token_exit(res)
+            return res.logits[-1:] if last_only else res.logits
+        out = self._engine.step(ids[None], None, n_loops, last_only=last_only)
         assert out.logits is not None
-        return out.logits[0].float().cpu().numpy()
+        return out.logits[0]
 
-    def score_last(self, tokens: Any, loops: int | None = None) -> np.ndarray:
+    def score(self, tokens: Any, loops: int | None = None, token_exit: int | None = None) -> np.ndarray:
+        """Next-token logits at every position: float32 [T, V].
+
+        token_exit=N (default: TINYLOOP_TOKEN_EXIT, 0 = off) lets each position stop iterating once its
+        argmax has been unchanged for N consecutive loops.
+        """
+        return self._score_logits(tokens, loops, token_exit, last_only=False).float().cpu().numpy()
+
+    def score_last(self, tokens: Any, loops: int | None = None, token_exit: int | None = None) -> np.ndarray:
         """Next-token logits after the last token: float32 [V]."""
-        self._check_open()
-        ids = self._tokens(tokens)
-        out = self._engine.step(ids[None], None, self._loops(loops), last_only=True)
-        assert out.logits is not None
-        return out.logits[0, -1].float().cpu().numpy()
+        return self._score_logits(tokens, loops, token_exit, last_only=True)[-1].float().cpu().numpy()
 
     # ---- generation ------------------------------------------------------------------------------
     def _generation_cache(self, loops: int) -> KVCache | None:

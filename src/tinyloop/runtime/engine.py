@@ -6,7 +6,7 @@ import torch
 
 from tinyloop.cache.kv import KVCache
 from tinyloop.config import ArchConfig
-from tinyloop.model.layers import StepContext, rope_tables
+from tinyloop.model.layers import KVStore, StepContext, rope_tables
 from tinyloop.model.looped import ForwardOutput, forward, state_noise_table
 from tinyloop.model.weights import ModelWeights
 
@@ -25,7 +25,7 @@ class Engine:
     def new_cache(self, batch: int, max_seq: int, loops: int) -> KVCache:
         return KVCache(self.cfg, batch, max_seq, loops, self.device, self.dtype)
 
-    def context(self, positions: torch.Tensor, cache: KVCache | None, attend_len: int | None) -> StepContext:
+    def context(self, positions: torch.Tensor, cache: KVStore | None, attend_len: int | None) -> StepContext:
         """attend_len None: attend causally over this step's own tokens (no earlier context)."""
         mask = None
         if attend_len is not None:
