@@ -66,3 +66,12 @@ def test_unknown_model_and_command() -> None:
 def test_unknown_command(tiny_files) -> None:
     res = run(str(tiny_files["int4"]), "frobnicate")
     assert res.returncode == 2 and "unknown command" in res.stderr.decode()
+
+
+def test_lens_prints_a_row_per_position_and_draws_a_heatmap(tiny_files, tmp_path) -> None:
+    png = tmp_path / "lens.png"
+    res = run(str(tiny_files["f32"]), "lens", "--prompt", "abc", "--loops", "3", "--plot", str(png))
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.decode().splitlines()
+    assert lines[0].split()[-3:] == ["L1", "L2", "L3"] and len(lines) == 1 + 3
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -12,8 +12,9 @@ VERBS: dict[str, tuple[str, str]] = {
     "inspect": ("tinyloop.cli.inspect_cmd", "run_inspect"),
     "verify": ("tinyloop.cli.verify_cmd", "run_verify"),
     "generate": ("tinyloop.cli.generate_cmd", "run_generate"),
+    "lens": ("tinyloop.cli.lens_cmd", "run_lens"),
 }
-LATER = {"benchmark", "speculate", "lens"}
+LATER = {"benchmark", "speculate"}
 
 USAGE = """usage: tinyloop <model> <command> [options]
 
@@ -22,6 +23,7 @@ commands:
   inspect    header, dimensions, memory and KV estimates (reads no tensor data)
   verify     check every tensor's checksum
   generate   generate a continuation of --prompt
+  lens       the top prediction after each loop at every position (--plot FILE.png for a heatmap)
 run `tinyloop <model> <command> --help` for a command's options."""
 
 
