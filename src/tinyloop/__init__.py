@@ -18,7 +18,7 @@ _EXPORTS = {
     "builtin_names": "tinyloop.builtin",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["ArchConfig", "Model", "TinyLoopFormatError", "builtin_names", "load"]
 
 if TYPE_CHECKING:
     from tinyloop.api.model import Model, load

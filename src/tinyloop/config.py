@@ -118,7 +118,9 @@ class ArchConfig:
         unknown = sorted(set(data) - set(known))
         if unknown:
             raise ConfigError(f"unknown config field(s) {unknown}; known fields: {sorted(known)}")
-        required = [n for n, f in known.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        required = [
+            n for n, f in known.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        ]
         missing = [n for n in required if n not in data]
         if missing:
             raise ConfigError(f"config is missing required field(s) {missing}")
@@ -160,7 +162,17 @@ def _validate(cfg: ArchConfig) -> None:
             raise ConfigError(f"config field {name!r} must be an integer, found {value!r}")
         if not 0 <= value <= _LIMIT:
             raise ConfigError(f"config field {name!r} must be in [0, {_LIMIT}], found {value}")
-    for name in ("vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "n_body", "default_loops", "max_position"):
+    for name in (
+        "vocab_size",
+        "d_model",
+        "n_heads",
+        "n_kv_heads",
+        "head_dim",
+        "ffn_dim",
+        "n_body",
+        "default_loops",
+        "max_position",
+    ):
         if getattr(cfg, name) < 1:
             raise ConfigError(f"config field {name!r} must be at least 1, found {getattr(cfg, name)}")
     for name in _FLOAT_FIELDS:

@@ -54,7 +54,9 @@ class Int4Weight:
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scale.nbytes + self.minimum.nbytes
 
-    def _expand(self, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _expand(
+        self, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:
         low = (packed & 0x0F).to(torch.float32)
         high = (packed >> 4).to(torch.float32)
         q = torch.stack((low, high), dim=-1).flatten(-2)  # [..., in]

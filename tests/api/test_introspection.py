@@ -55,7 +55,7 @@ def test_trajectory_matches_naive_states(model, naive_runs) -> None:
     traj = model.score_trajectory(TOKENS, loops=LOOPS)
     assert traj.shape == (2 + LOOPS, len(TOKENS), 64)
     _, ref_states, _ = naive_runs[-1]
-    for got, ref in zip(traj, ref_states):
+    for got, ref in zip(traj, ref_states, strict=True):
         assert frob_rel_error(torch.from_numpy(got), ref) <= 1e-5
 
 

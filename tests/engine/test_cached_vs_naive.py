@@ -21,12 +21,26 @@ VARIANTS = {
     "pre-concat-zeros-gqa": dict(injection="concat", state_start="zeros", n_kv_heads=2),
     "mqa-interleaved-qkbias": dict(n_kv_heads=1, rope_pairing="interleaved", qk_bias=True, injection="add"),
     "huginn-like": dict(
-        norm_placement="sandwich_sum", injection="concat", state_start="random", state_init_std=0.6,
-        loop_norm="after_loop", head_norm=True, embed_scale=5.0, qk_bias=True, rope_pairing="interleaved",
+        norm_placement="sandwich_sum",
+        injection="concat",
+        state_start="random",
+        state_init_std=0.6,
+        loop_norm="after_loop",
+        head_norm=True,
+        embed_scale=5.0,
+        qk_bias=True,
+        rope_pairing="interleaved",
     ),
     "ouro-like": dict(
-        norm_placement="sandwich_out", n_prelude=0, n_coda=0, n_body=3, loop_norm="every_loop", head_norm=False,
-        tied_embeddings=False, exit_gate=True, injection="none",
+        norm_placement="sandwich_out",
+        n_prelude=0,
+        n_coda=0,
+        n_body=3,
+        loop_norm="every_loop",
+        head_norm=False,
+        tied_embeddings=False,
+        exit_gate=True,
+        injection="none",
     ),
     "layernorm-gelu-untied": dict(norm_kind="layernorm", ffn_kind="gelu", tied_embeddings=False, logit_scale=0.5),
     "no-prelude-no-coda-add": dict(n_prelude=0, n_coda=0, injection="add", loop_norm="every_loop"),
@@ -52,9 +66,9 @@ def test_decode_matches_naive(variant: str, loops: int) -> None:
     out = engine.step(torch.tensor([tokens[:prompt]]), cache, loops, collect_states=True)
     got = [out.logits[0]]
     assert out.states is not None and len(out.states) == 2 + loops
-    for i, (s, r) in enumerate(zip(out.states, ref_states)):
+    for i, (s, r) in enumerate(zip(out.states, ref_states, strict=True)):
         assert frob_rel_error(s[0], r[:prompt]) <= 1e-5, f"state {i}"
-    for g, r in zip(out.gates, ref_gates):
+    for g, r in zip(out.gates, ref_gates, strict=True):
         assert max_rel_error(g[0], r[:prompt]) <= 1e-5
     for t in range(prompt, len(tokens)):
         step = engine.step(torch.tensor([[tokens[t]]]), cache, loops, last_only=True)

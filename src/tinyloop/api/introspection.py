@@ -42,9 +42,14 @@ class IntrospectionMixin:
 
     _engine: Engine
 
-    def _check_open(self) -> None: ...
-    def _tokens(self, tokens: Any, name: str = "tokens") -> torch.Tensor: ...
-    def _loops(self, loops: int | None) -> int: ...
+    def _check_open(self) -> None:
+        raise NotImplementedError
+
+    def _tokens(self, tokens: Any, name: str = "tokens") -> torch.Tensor:
+        raise NotImplementedError
+
+    def _loops(self, loops: int | None) -> int:
+        raise NotImplementedError
 
     def score_logit_lens(
         self, tokens: Any, loops: int | None = None, positions: Any = None, top_k: int | None = None

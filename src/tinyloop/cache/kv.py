@@ -34,7 +34,9 @@ class KVCache:
         self._rows = torch.arange(batch, device=device)
 
     @classmethod
-    def _from_buffers(cls, cfg: ArchConfig, loops: int, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> KVCache:
+    def _from_buffers(
+        cls, cfg: ArchConfig, loops: int, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor
+    ) -> KVCache:
         self = cls.__new__(cls)
         self.cfg, self.loops, self.max_seq = cfg, loops, int(k.shape[3])
         self.k, self.v, self.lengths = k, v, lengths
@@ -49,7 +51,9 @@ class KVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def update(self, slot: int, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, slot: int, k: torch.Tensor, v: torch.Tensor, ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v ([B, kv_heads, T, hd]) at ctx.positions; return the span to attend to."""
         rows = self._rows[:, None].expand_as(ctx.positions)
         self.k[slot][rows, :, ctx.positions] = k.transpose(1, 2)

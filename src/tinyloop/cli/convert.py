@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tinyloop.cli.inspect_cmd import OneLineParser, parse_or_exit_code
+from tinyloop.cli.args import Parser
+from tinyloop.cli.inspect_cmd import parse_or_exit_code
 from tinyloop.presets import PRESETS
 
 PROG = "tinyloop-convert"
 
 
-def build_parser() -> OneLineParser:
-    parser = OneLineParser(
+def build_parser() -> Parser:
+    parser = Parser(
         prog=PROG,
         description="Write a .tinyloop model file from a canonical-name checkpoint or random weights.",
     )
@@ -25,14 +26,18 @@ def build_parser() -> OneLineParser:
     parser.add_argument("--from-hf", metavar="DIR", help=argparse.SUPPRESS)
     parser.add_argument("-o", "--output", required=True, help="the .tinyloop file to write")
     parser.add_argument("--bits", type=int, choices=(4, 8, 16), default=16, help="weight bits (default 16)")
-    parser.add_argument("--group-size", type=int, choices=(32, 64, 128), default=64, help="INT4 group size (default 64)")
-    parser.add_argument("--float-dtype", choices=("f16", "bf16", "f32"), default="f16", help="dense dtype (default f16)")
+    parser.add_argument(
+        "--group-size", type=int, choices=(32, 64, 128), default=64, help="INT4 group size (default 64)"
+    )
+    parser.add_argument(
+        "--float-dtype", choices=("f16", "bf16", "f32"), default="f16", help="dense dtype (default f16)"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_or_exit_code(build_parser(), sys.argv[1:] if argv is None else argv, PROG)
+    args = parse_or_exit_code(build_parser(), sys.argv[1:] if argv is None else argv)
     if isinstance(args, int):
         return args
     if args.from_hf is not None:

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, NoReturn
+from typing import Any
 
+from tinyloop.cli.args import Parser
 from tinyloop.config import ArchConfig
 from tinyloop.errors import TinyLoopFormatError
 from tinyloop.format.header import ModelHeader, read_header
@@ -17,33 +18,19 @@ SLIDING_WINDOW = 512
 KV_MODES = ("fp16", "int8", f"sliding-{SLIDING_WINDOW}", "hidden", "none")
 
 
-class UsageError(Exception):
-    """A bad command line; the CLI prints it on one line and exits 2."""
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors raise UsageError instead of printing usage and exiting."""
-
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(message)
-
-
-def parse_or_exit_code(parser: argparse.ArgumentParser, argv: list[str], prog: str) -> argparse.Namespace | int:
-    """Parsed arguments, or the exit code after --help (0) or a usage error (2, one line on stderr)."""
+def parse_or_exit_code(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
+    """Parsed arguments, or the exit code after --help (0) or a usage error (2, already printed on one line)."""
     try:
         return parser.parse_args(argv)
-    except UsageError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
     except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 0
+        return exc.code if isinstance(exc.code, int) else 2
 
 
 def run_inspect(path: str, argv: list[str]) -> int:
-    parser = OneLineParser(prog="tinyloop FILE inspect", description="Describe a .tinyloop file (reads the header only).")
+    parser = Parser(prog="tinyloop inspect", description="Describe a .tinyloop file (reads the header only).")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--max-seq-len", type=int, metavar="N", help="also estimate buffers at sequence length N")
-    args = parse_or_exit_code(parser, argv, "tinyloop")
+    args = parse_or_exit_code(parser, argv)
     if isinstance(args, int):
         return args
     if args.max_seq_len is not None and args.max_seq_len < 1:

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import sys
 
-from tinyloop.cli.inspect_cmd import OneLineParser, parse_or_exit_code
+from tinyloop.cli.args import Parser
+from tinyloop.cli.inspect_cmd import parse_or_exit_code
 from tinyloop.errors import TinyLoopFormatError
 from tinyloop.format.checksums import corrupted_tensors
 from tinyloop.format.header import read_header
 
 
 def run_verify(path: str, argv: list[str]) -> int:
-    parser = OneLineParser(prog="tinyloop FILE verify", description="Check a .tinyloop file's header and checksums.")
-    args = parse_or_exit_code(parser, argv, "tinyloop")
+    parser = Parser(prog="tinyloop verify", description="Check a .tinyloop file's header and checksums.")
+    args = parse_or_exit_code(parser, argv)
     if isinstance(args, int):
         return args
     try:

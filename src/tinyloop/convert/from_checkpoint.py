@@ -42,7 +42,9 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     except Exception as exc:  # safetensors and torch.load raise many unrelated types on bad input
         raise TinyLoopFormatError(path, "checkpoint", "a loadable checkpoint", f"{type(exc).__name__}: {exc}") from None
     for _ in range(3):
-        inner = next((raw[k] for k in _NESTING_KEYS if isinstance(raw, Mapping) and isinstance(raw.get(k), Mapping)), None)
+        inner = next(
+            (raw[k] for k in _NESTING_KEYS if isinstance(raw, Mapping) and isinstance(raw.get(k), Mapping)), None
+        )
         if inner is None:
             break
         raw = inner
@@ -60,7 +62,9 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         if not isinstance(value, torch.Tensor):
             raise TinyLoopFormatError(path, f"checkpoint entry {key!r}", "a tensor", type(value).__name__)
         if name in out:
-            raise TinyLoopFormatError(path, f"checkpoint entry {key!r}", "unique names after prefix stripping", f"a second {name!r}")
+            raise TinyLoopFormatError(
+                path, f"checkpoint entry {key!r}", "unique names after prefix stripping", f"a second {name!r}"
+            )
         out[name] = value
     return out
 

@@ -27,7 +27,9 @@ def corrupted_tensors(header: ModelHeader, progress: Callable[[int], None] | Non
                 while left:
                     chunk = f.read(min(left, CHUNK_BYTES))
                     if not chunk:
-                        raise TinyLoopFormatError(header.path, "file size", f"{header.file_size} bytes", "a shorter file")
+                        raise TinyLoopFormatError(
+                            header.path, "file size", f"{header.file_size} bytes", "a shorter file"
+                        )
                     crc = zlib.crc32(chunk, crc)
                     left -= len(chunk)
                     if progress is not None:

@@ -260,10 +260,14 @@ class _Parser:
         missing = [s.name for s in specs if s.name not in tensors]
         extra = sorted(n for n in tensors if n not in names)
         if missing or extra:
-            self.fail(f"{what} tensors", "one entry per model tensor", f"missing {_show(missing)}, extra {_show(extra)}")
+            self.fail(
+                f"{what} tensors", "one entry per model tensor", f"missing {_show(missing)}, extra {_show(extra)}"
+            )
         out: dict[str, TensorQuant] = {}
         for spec in specs:
-            out[spec.name] = self.parse_tensor_quant(tensors[spec.name], spec.name, spec.role, spec.shape, bits, lenient)
+            out[spec.name] = self.parse_tensor_quant(
+                tensors[spec.name], spec.name, spec.role, spec.shape, bits, lenient
+            )
         return QuantInfo(bits, group_size, float_dtype, out)
 
     def parse_tensor_quant(
@@ -317,7 +321,9 @@ class _Parser:
                 found = "an overlap" if entry.start < position else "a gap"
                 self.fail(f"tensor {entry.name!r} data_offsets", f"begin {position} (tensors back to back)", found)
             if entry.start % DTYPE_SIZES[entry.dtype]:
-                self.fail(f"tensor {entry.name!r} data_offsets", f"a multiple of {DTYPE_SIZES[entry.dtype]}", str(entry.start))
+                self.fail(
+                    f"tensor {entry.name!r} data_offsets", f"a multiple of {DTYPE_SIZES[entry.dtype]}", str(entry.start)
+                )
             position = entry.end
         expected_size = data_start + position
         if size < expected_size:

@@ -65,13 +65,17 @@ def _map(path: str, header: ModelHeader) -> mmap.mmap:
             size = os.fstat(f.fileno()).st_size
             if size != header.file_size:
                 # Touching pages past the end of a shrunken file would crash the process (SIGBUS).
-                raise TinyLoopFormatError(path, "file size", f"{header.file_size} bytes (as when the header was read)", f"{size} bytes")
+                raise TinyLoopFormatError(
+                    path, "file size", f"{header.file_size} bytes (as when the header was read)", f"{size} bytes"
+                )
             # A private copy-on-write map: tensors may be written to in memory, never the file.
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     except (OSError, ValueError) as exc:
         if isinstance(exc, TinyLoopFormatError):
             raise
-        raise TinyLoopFormatError(path, "file", "a file that can be memory-mapped", f"{type(exc).__name__}: {exc}") from None
+        raise TinyLoopFormatError(
+            path, "file", "a file that can be memory-mapped", f"{type(exc).__name__}: {exc}"
+        ) from None
 
 
 def _view(mapped: mmap.mmap, header: ModelHeader, name: str) -> torch.Tensor:

@@ -47,7 +47,7 @@ class QuantInfo:
     tensors: dict[str, TensorQuant]
 
     def counts(self) -> dict[str, int]:
-        out = dict.fromkeys(KINDS, 0)
+        out: dict[str, int] = dict.fromkeys(KINDS, 0)
         for tq in self.tensors.values():
             out[tq.kind] += 1
         return out
@@ -117,7 +117,10 @@ def stored_specs(spec: TensorSpec, tq: TensorQuant, float_dtype: str) -> list[St
         return [StoredSpec(spec.name, float_dtype, spec.shape)]
     out_f, in_f = spec.shape
     if tq.kind == "int8":
-        return [StoredSpec(f"{spec.name}.q8", "I8", (out_f, in_f)), StoredSpec(f"{spec.name}.scale", SCALE_DTYPE, (out_f,))]
+        return [
+            StoredSpec(f"{spec.name}.q8", "I8", (out_f, in_f)),
+            StoredSpec(f"{spec.name}.scale", SCALE_DTYPE, (out_f,)),
+        ]
     assert tq.group_size is not None
     groups = in_f // tq.group_size
     return [

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import tempfile
@@ -14,17 +13,13 @@ import torch
 from tqdm import tqdm
 
 from tinyloop.config import ArchConfig
+from tinyloop.format.encode import HeaderPlan
 from tinyloop.format.header import ModelHeader, read_header
 from tinyloop.format.reader import TORCH_DTYPES
 from tinyloop.format.spec import (
-    DATA_ALIGNMENT,
-    FORMAT_NAME,
-    FORMAT_VERSION_STR,
     QuantInfo,
     StoredSpec,
     TensorQuant,
-    expected_stored,
-    file_order,
     normalize_float_dtype,
     plan_quantization,
     stored_specs,
@@ -51,6 +46,7 @@ def check_tensor_dict(cfg: ArchConfig, tensors: Mapping[str, object]) -> list[st
         spec = specs.get(name)
         if spec is None:
             continue
+        shape: tuple[int, ...]
         if isinstance(value, (Int8Weight, Int4Weight)):
             shape = value.shape
         elif isinstance(value, torch.Tensor):
@@ -140,42 +136,34 @@ def write_quantized(
     return _write(path, cfg, quant, produce, progress)
 
 
-def _write(path: str | os.PathLike[str], cfg: ArchConfig, quant: QuantInfo, produce: Produce, progress: bool) -> ModelHeader:
+def _write(
+    path: str | os.PathLike[str], cfg: ArchConfig, quant: QuantInfo, produce: Produce, progress: bool
+) -> ModelHeader:
     if sys.byteorder != "little":
         raise RuntimeError("writing .tinyloop files needs a little-endian machine")
     path = os.fspath(path)
-    stored = expected_stored(cfg, quant)
-    offsets: dict[str, tuple[int, int]] = {}
-    position = 0
-    for s in file_order(list(stored.values())):
-        offsets[s.name] = (position, position + s.nbytes)
-        position += s.nbytes
-    total = position
-    # Checksums have a fixed width, so the header's length is known before any data is written.
-    checksums = dict.fromkeys(stored, "00000000")
-    placeholder = _header_bytes(cfg, quant, stored, offsets, checksums)
-    data_start = 8 + len(placeholder)
-
+    plan = HeaderPlan(cfg, quant)
+    checksums: dict[str, str] = {}
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
     try:
-        with os.fdopen(fd, "wb") as f, _progress_bar(path, total, progress) as bar:
-            f.truncate(data_start + total)
+        with os.fdopen(fd, "wb") as f, _progress_bar(path, plan.data_bytes, progress) as bar:
+            f.truncate(plan.data_start + plan.data_bytes)
+            # One logical tensor at a time: only its quantized copy is alive besides the input.
             for spec in model_specs(cfg):
                 tq = quant.tensors[spec.name]
                 arrays = produce(spec, tq)
                 for s, t in zip(stored_specs(spec, tq, quant.float_dtype), arrays, strict=True):
                     data = _as_bytes(s, t)
                     checksums[s.name] = f"{zlib.crc32(data) & 0xFFFFFFFF:08x}"
-                    f.seek(data_start + offsets[s.name][0])
+                    f.seek(plan.data_start + plan.offsets[s.name][0])
                     f.write(data)
                     bar.update(s.nbytes)
                 del arrays
-            header = _header_bytes(cfg, quant, stored, offsets, checksums)
-            assert len(header) == len(placeholder)
+            prefix = plan.prefix(checksums)
+            assert len(prefix) == plan.data_start
             f.seek(0)
-            f.write(len(header).to_bytes(8, "little"))
-            f.write(header)
+            f.write(prefix)
             f.flush()
             os.fsync(f.fileno())
         # Validate before publishing, so a bad file never replaces a good one.
@@ -199,30 +187,7 @@ def _as_bytes(s: StoredSpec, t: torch.Tensor) -> memoryview:
     t = t.detach().to(device="cpu", dtype=want).contiguous()
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
         raise ValueError(f"{s.name}: values overflow {s.dtype} (NaN or infinite after conversion)")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
-
-
-def _header_bytes(
-    cfg: ArchConfig,
-    quant: QuantInfo,
-    stored: dict[str, StoredSpec],
-    offsets: dict[str, tuple[int, int]],
-    checksums: dict[str, str],
-) -> bytes:
-    metadata = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION_STR,
-        "config": cfg.to_json(),
-        "quantization": json.dumps(quant.to_json_obj(), separators=(",", ":")),
-        "checksums": json.dumps(checksums, separators=(",", ":")),
-    }
-    doc: dict[str, object] = {"__metadata__": metadata}
-    for name, (begin, end) in offsets.items():
-        s = stored[name]
-        doc[name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [begin, end]}
-    raw = json.dumps(doc, separators=(",", ":")).encode("utf-8")
-    # Pad with spaces (valid JSON whitespace) so the data section starts on an aligned offset.
-    return raw + b" " * (-(8 + len(raw)) % DATA_ALIGNMENT)
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def _progress_bar(path: str, total: int, enabled: bool) -> tqdm:

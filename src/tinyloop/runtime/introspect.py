@@ -31,9 +31,7 @@ def trajectory(engine: Engine, tokens: torch.Tensor, loops: int) -> Trajectory:
 
 
 @torch.inference_mode()
-def depth_logits(
-    engine: Engine, traj: Trajectory, positions: torch.Tensor | None = None
-) -> Iterator[torch.Tensor]:
+def depth_logits(engine: Engine, traj: Trajectory, positions: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
     """For each depth 1..L, the float32 logits [T', V] the model gives if the loop stops there."""
     loops = len(traj.states) - 2
     T = traj.logits.shape[0]

@@ -50,9 +50,7 @@ def prepare_weights(flat: Mapping[str, Weight], device: torch.device, dtype: tor
     return out
 
 
-def load_engine(
-    path: str | Path, device: torch.device, dtype: torch.dtype | None = None
-) -> tuple[ModelHeader, Engine]:
+def load_engine(path: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> tuple[ModelHeader, Engine]:
     header = read_header(path)
     _, flat = load_weights(path, device="cpu", header=header)
     compute = dtype or default_dtype(device)

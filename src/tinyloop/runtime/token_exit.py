@@ -28,7 +28,9 @@ class LatestIterationStore:
         self._first_body = cfg.n_prelude + cfg.n_coda
         self._n_body = cfg.n_body
 
-    def update(self, slot: int, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, slot: int, k: torch.Tensor, v: torch.Tensor, ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if slot >= self._first_body:
             slot = self._first_body + (slot - self._first_body) % self._n_body
         return self.cache.update(slot, k, v, ctx)
