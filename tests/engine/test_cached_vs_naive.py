@@ -107,3 +107,21 @@ def test_truncate_then_redecode_is_exact() -> None:
     assert max_rel_error(out.logits[0, 0], ref[-1]) <= 1e-5
     out2 = engine.step(torch.tensor([[7]]), snapshot, 2, last_only=True)
     assert torch.equal(out2.logits, out.logits)
+
+
+@pytest.mark.parametrize("variant", ["pre-concat-zeros-gqa", "huginn-like", "ouro-like"])
+def test_resume_deeper_over_cached_positions_equals_fresh_deep_run(variant: str) -> None:
+    """Warm start: run 2 loops, then only iterations 2..4 over the stored state; equals a fresh 5-loop run."""
+    cfg, flat, engine = build(variant)
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6]
+    cache = engine.new_cache(1, 32, 5)
+    shallow = engine.step(torch.tensor([tokens]), cache, 2)
+    assert shallow.loop_state is not None and shallow.prelude_out is not None
+    deep = engine.step(
+        torch.tensor([tokens]), cache, 5, start=torch.tensor([0]),
+        resume=(shallow.loop_state, shallow.prelude_out), start_loop=2,
+    )  # fmt: skip
+    ref, _, _ = naive_forward(cfg, flat, tokens + [7], 5, engine.noise)
+    assert max_rel_error(deep.logits[0], ref[: len(tokens)]) <= 1e-5
+    nxt = engine.step(torch.tensor([[7]]), cache, 5, last_only=True)
+    assert max_rel_error(nxt.logits[0, 0], ref[-1]) <= 1e-5

@@ -18,13 +18,18 @@ from tinyloop.model.weights import ModelWeights
 class ForwardOutput:
     """logits: [B, T', V] float32 (T' = T, or 1 per row when only the last position was asked).
 
-    states (when asked): embedding output, prelude output, then the loop state after each iteration.
-    gates (when the model has an exit gate): the gate's logit after each iteration, [B, T].
+    states (when asked): embedding output, prelude output, then the loop state after each iteration
+    (a resumed forward lists only the iterations it ran).
+    gates (when the model has an exit gate): the gate's logit after each iteration run, [B, T].
+    loop_state / prelude_out: the final loop state and the prelude output [B, T, d] (references, free),
+    which is what a later forward needs to resume deeper (`resume=`).
     """
 
     logits: torch.Tensor | None
     states: list[torch.Tensor] | None = None
     gates: list[torch.Tensor] = field(default_factory=list)
+    loop_state: torch.Tensor | None = None
+    prelude_out: torch.Tensor | None = None
 
 
 def embed(w: ModelWeights, cfg: ArchConfig, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -126,20 +131,29 @@ def forward(
     last_index: torch.Tensor | None = None,
     collect_states: bool = False,
     on_state: Callable[[int, torch.Tensor], None] | None = None,
+    resume: tuple[torch.Tensor, torch.Tensor] | None = None,
+    start_loop: int = 0,
 ) -> ForwardOutput:
     """Full forward of tokens [B, T] at `loops` iterations; caches are read and written through ctx.
 
     The head only sees the positions named by `last_index` when it is given (decode); the coda still
     runs on every position, since later tokens attend to its K/V.
+    resume=(loop_state, prelude_out) with start_loop=k continues a forward that already ran k
+    iterations on these positions: only iterations k..loops-1, the coda and the head run.
     """
-    e = embed(w, cfg, tokens, dtype)
-    states: list[torch.Tensor] | None = [e] if collect_states else None
-    p = run_prelude(w, cfg, e, ctx)
-    if states is not None:
-        states.append(p)
-    s = initial_state(cfg, p, ctx.positions, noise)
+    states: list[torch.Tensor] | None = [] if collect_states else None
+    if resume is None:
+        if start_loop:
+            raise ValueError("start_loop needs resume=(loop_state, prelude_out)")
+        e = embed(w, cfg, tokens, dtype)
+        p = run_prelude(w, cfg, e, ctx)
+        if states is not None:
+            states += [e, p]
+        s = initial_state(cfg, p, ctx.positions, noise)
+    else:
+        s, p = resume
     gates: list[torch.Tensor] = []
-    for t in range(loops):
+    for t in range(start_loop, loops):
         s = loop_iteration(w, cfg, s, p, ctx, t)
         if states is not None:
             states.append(s)
@@ -149,4 +163,4 @@ def forward(
             on_state(t, s)
     x = exit_hidden(w, cfg, s, ctx)
     logits = head(w, cfg, select_rows(x, last_index))
-    return ForwardOutput(logits=logits, states=states, gates=gates)
+    return ForwardOutput(logits=logits, states=states, gates=gates, loop_state=s, prelude_out=p)

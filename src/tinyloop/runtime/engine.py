@@ -43,30 +43,39 @@ class Engine:
         valid: torch.Tensor | None = None,
         last_only: bool = False,
         collect_states: bool = False,
+        start: torch.Tensor | None = None,
+        resume: tuple[torch.Tensor, torch.Tensor] | None = None,
+        start_loop: int = 0,
     ) -> ForwardOutput:
-        """Append tokens [B, T] (right-padded; `valid[b]` real tokens in row b) and run the model.
+        """Run tokens [B, T] (right-padded; `valid[b]` real tokens in row b) through the model.
 
-        Without a cache the tokens are the whole sequence from position 0.
+        By default the tokens are appended after what the cache holds (without a cache they are the
+        whole sequence from position 0). `start` ([B]) places them at other positions instead, e.g. to
+        recompute positions already in the cache deeper: with resume=(loop_state, prelude_out) and
+        start_loop=k only iterations k..loops-1, the coda and the head run (warm start, verification).
         """
         B, T = tokens.shape
         valid_cpu = torch.full((B,), T, dtype=torch.long) if valid is None else valid.to("cpu", torch.long)
-        start = torch.zeros(B, dtype=torch.long) if cache is None else cache.lengths
+        if start is None:
+            start = torch.zeros(B, dtype=torch.long) if cache is None else cache.lengths
+        start = start.to("cpu", torch.long)
+        end = int((start + T).max())
         if cache is not None:
             if loops > cache.loops:
                 raise ValueError(f"this cache holds {cache.loops} loops; {loops} were asked")
-            end = int((start + T).max())
             if end > cache.max_seq:
                 raise ValueError(f"sequence of {end} tokens exceeds the cache's max_seq_len {cache.max_seq}")
-        if int((start + T).max()) > self.cfg.max_position:
-            raise ValueError(f"position {int((start + T).max())} exceeds the model's {self.cfg.max_position}")
+        if end > self.cfg.max_position:
+            raise ValueError(f"position {end} exceeds the model's maximum position {self.cfg.max_position}")
         positions = (start[:, None] + torch.arange(T)[None, :]).to(self.device)
         fresh = cache is None or int(start.max()) == 0
-        ctx = self.context(positions, cache, None if fresh else int((start + T).max()))
+        ctx = self.context(positions, cache, None if fresh else end)
         last_index = (valid_cpu - 1).to(self.device) if last_only else None
         out = forward(
             self.weights, self.cfg, tokens.to(self.device), ctx, loops,
             dtype=self.dtype, noise=self.noise, last_index=last_index, collect_states=collect_states,
+            resume=resume, start_loop=start_loop,
         )  # fmt: skip
         if cache is not None:
-            cache.lengths = start + valid_cpu
+            cache.lengths = torch.maximum(cache.lengths, start + valid_cpu)
         return out
