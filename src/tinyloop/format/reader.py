@@ -63,19 +63,17 @@ def _map(path: str, header: ModelHeader) -> mmap.mmap:
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            if size != header.file_size:
-                # Touching pages past the end of a shrunken file would crash the process (SIGBUS).
-                raise TinyLoopFormatError(
-                    path, "file size", f"{header.file_size} bytes (as when the header was read)", f"{size} bytes"
-                )
             # A private copy-on-write map: tensors may be written to in memory, never the file.
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size == header.file_size else None
     except (OSError, ValueError) as exc:
-        if isinstance(exc, TinyLoopFormatError):
-            raise
         raise TinyLoopFormatError(
             path, "file", "a file that can be memory-mapped", f"{type(exc).__name__}: {exc}"
         ) from None
+    if mapped is None:
+        # Touching pages past the end of a shrunken file would crash the process (SIGBUS).
+        expected = f"{header.file_size} bytes (as when the header was read)"
+        raise TinyLoopFormatError(path, "file size", expected, f"{size} bytes")
+    return mapped
 
 
 def _view(mapped: mmap.mmap, header: ModelHeader, name: str) -> torch.Tensor:
