@@ -1,0 +1,1 @@
+"""Training of the built-in byte-level looped model: corpus, trainer, and evaluation."""
