@@ -14,17 +14,27 @@ _EXPORTS = {
     "Model": "tinyloop.api.model",
     "load": "tinyloop.api.model",
     "ArchConfig": "tinyloop.config",
+    "Grammar": "tinyloop.grammar",
     "TinyLoopFormatError": "tinyloop.errors",
     "builtin_names": "tinyloop.builtin",
+    "PrefixCache": "tinyloop.api.handles",
+    "ResumeHandle": "tinyloop.api.handles",
+    "PrefixPool": "tinyloop.cache.pool",
 }
 
-__all__ = ["ArchConfig", "Model", "TinyLoopFormatError", "builtin_names", "load"]
+__all__ = [
+    "ArchConfig", "Grammar", "Model", "PrefixCache", "PrefixPool", "ResumeHandle", "TinyLoopFormatError",
+    "builtin_names", "load",
+]  # fmt: skip
 
 if TYPE_CHECKING:
+    from tinyloop.api.handles import PrefixCache, ResumeHandle
     from tinyloop.api.model import Model, load
     from tinyloop.builtin import builtin_names
+    from tinyloop.cache.pool import PrefixPool
     from tinyloop.config import ArchConfig
     from tinyloop.errors import TinyLoopFormatError
+    from tinyloop.grammar import Grammar
 
 
 def __getattr__(name: str) -> Any:

@@ -10,25 +10,38 @@ import numpy as np
 import torch
 
 from tinyloop import log
+from tinyloop.api.caching import CachingMixin
+from tinyloop.api.decoding import (
+    depth_schedule,
+    finish_stream,
+    grammar_index,
+    model_vocab,
+    stop_string_list,
+    stop_token_set,
+)
 from tinyloop.api.introspection import IntrospectionMixin
+from tinyloop.api.speculative import SpeculativeMixin
+from tinyloop.api.text import TextMixin
 from tinyloop.api.tokens import as_token_array
 from tinyloop.builtin import resolve_model
-from tinyloop.cache.kv import KVCache
+from tinyloop.cache.base import ModeCache
+from tinyloop.cache.factory import make_cache
 from tinyloop.env import RuntimeEnv
 from tinyloop.errors import ModelClosedError
 from tinyloop.model.weights import weight_bytes
 from tinyloop.runtime.generate import GenerationStats, SamplingParams, stream_tokens
 from tinyloop.runtime.loader import load_engine, pick_device
-from tinyloop.runtime.memory import check_host_memory
 from tinyloop.runtime.token_exit import report_token_exit, score_with_token_exit
 
 MiB = 1 << 20
 
 
-class Model(IntrospectionMixin):
+class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
     """A loaded `.tinyloop` model (or a built-in one, by name).
 
     Token inputs are 1-D np.ndarray[int32] (lists accepted; other dtypes only when lossless).
+    kv_mode ('16bit', 'int8', 'window', 'hidden', 'none') and cache_window (0 = full cache) choose the
+    KV cache; left None, TINYLOOP_KV_INT8 / TINYLOOP_KV_H_MODE / TINYLOOP_DISABLE_KV_CACHE decide.
     """
 
     def __init__(
@@ -38,12 +51,15 @@ class Model(IntrospectionMixin):
         device: str | torch.device | None = None,
         *,
         dtype: torch.dtype | None = None,
+        kv_mode: str | None = None,
+        cache_window: int | None = None,
     ) -> None:
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         self._closed = True
         self.path = resolve_model(path)
         self.env = RuntimeEnv.read()
+        self._init_caching(self.env, kv_mode, cache_window)
         self.device = pick_device(device)
         self.header, self._engine = load_engine(self.path, self.device, dtype)
         cfg = self.header.config
@@ -51,7 +67,7 @@ class Model(IntrospectionMixin):
             log.info(f"max_seq_len {max_seq_len} capped at the model's maximum position {cfg.max_position}")
             max_seq_len = cfg.max_position
         self.max_seq_len = max_seq_len
-        self._cache: KVCache | None = None
+        self._cache: ModeCache | None = None
         self._closed = False
         self.last_stats = GenerationStats()
         q = self.header.quantization
@@ -74,6 +90,7 @@ class Model(IntrospectionMixin):
         if not self._closed:
             self._closed = True
             self._cache = None
+            self._release_handles()
             del self._engine
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -107,6 +124,7 @@ class Model(IntrospectionMixin):
             total += self._engine.noise.nbytes
         if self._cache is not None:
             total += self._cache.nbytes
+        total += self._handle_bytes()
         # One decode step's live activations: hidden states, qkv, MLP, logits (float32 upper bound).
         total += 4 * (4 * cfg.d_model + cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.ffn_dim + cfg.vocab_size)
         return total / MiB
@@ -155,14 +173,13 @@ class Model(IntrospectionMixin):
         return self._score_logits(tokens, loops, token_exit, last_only=True)[-1].float().cpu().numpy()
 
     # ---- generation ------------------------------------------------------------------------------
-    def _generation_cache(self, loops: int) -> KVCache | None:
-        if self.env.disable_kv_cache:
+    def _generation_cache(self, loops: int) -> ModeCache | None:
+        if self.kv.mode == "none":
             return None
         if self._cache is None or self._cache.loops < loops:
             self._cache = None  # free the old buffers before allocating larger ones
-            cfg = self.header.config
-            check_host_memory(self.device, 2 * cfg.n_cache_slots(loops) * self.max_seq_len * cfg.kv_dim * 4)
-            self._cache = self._engine.new_cache(1, self.max_seq_len, loops)
+            cfg, engine = self.header.config, self._engine
+            self._cache = make_cache(self.kv, cfg, 1, self.max_seq_len, loops, engine.device, engine.dtype)
         return self._cache
 
     def generate_stream(
@@ -174,8 +191,19 @@ class Model(IntrospectionMixin):
         top_k: int = 50,
         top_p: float = 1.0,
         seed: int | None = None,
-    ) -> Iterator[int]:
-        """Yield new token ids one at a time (arguments as in `generate`)."""
+        *,
+        stop_tokens: Any = None,
+        stop: Any = None,
+        grammar: Any = None,
+        l_warmup_tokens: int = 0,
+        l_warmup_loops: int = 2,
+        text: bool = False,
+    ) -> Iterator[Any]:
+        """Yield new token ids one at a time (arguments as in `generate`); with text=True yield
+        StreamPiece(token, text) instead (text decoded incrementally from the token bytes).
+
+        Closing the iterator (or breaking out of a for loop) ends generation at once.
+        """
         self._check_open()
         ids = self._tokens(prompt, "prompt")
         n_loops = self._loops(loops)
@@ -184,9 +212,19 @@ class Model(IntrospectionMixin):
             raise ValueError(
                 f"prompt ({ids.numel()} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len {self.max_seq_len}"
             )
+        cfg = self.header.config
+        stops = stop_token_set(stop_tokens, cfg.vocab_size)
+        stop_strings = stop_string_list(stop)
+        schedule = depth_schedule(l_warmup_tokens, l_warmup_loops, n_loops)
+        vocab = model_vocab(cfg, self._tokenizer_json()) if grammar is not None or stop_strings or text else None
+        index = grammar_index(grammar, vocab, self._engine.device) if vocab is not None else None
         cache = self._generation_cache(n_loops)
         self.last_stats = GenerationStats()
-        return stream_tokens(self._engine, cache, ids, max_tokens, n_loops, params, self.last_stats)
+        tokens = stream_tokens(
+            self._engine, cache, ids, max_tokens, n_loops, params, self.last_stats,
+            grammar=index, stop_tokens=stops, schedule=schedule,
+        )  # fmt: skip
+        return finish_stream(tokens, vocab, stop_strings, bool(text), self.last_stats)
 
     def generate(
         self,
@@ -197,11 +235,37 @@ class Model(IntrospectionMixin):
         top_k: int = 50,
         top_p: float = 1.0,
         seed: int | None = None,
+        *,
+        stop_tokens: Any = None,
+        stop: Any = None,
+        grammar: Any = None,
+        l_warmup_tokens: int = 0,
+        l_warmup_loops: int = 2,
     ) -> np.ndarray:
-        """New token ids (np.int32) after `prompt`. temperature 0 is greedy; a seed makes sampling repeat."""
-        return np.fromiter(
-            self.generate_stream(prompt, max_tokens, loops, temperature, top_k, top_p, seed), dtype=np.int32
-        )
+        """New token ids (np.int32) after `prompt`. temperature 0 is greedy; a seed makes sampling repeat.
+
+        stop_tokens: ids that end generation (not returned). stop: strings that end generation, matched
+        on the generated bytes across token boundaries (not returned; a token straddling the start of
+        one is kept). grammar: a tinyloop.Grammar (or regex str) the text must match; generation ends
+        when nothing else can follow, and `last_stats.finished` is False if max_tokens cut it in a
+        non-accepting state. l_warmup_tokens / l_warmup_loops: the first N decode steps run at M loops
+        (see DepthSchedule for what deeper iterations then read). `last_stats.stop_reason` says why it ended.
+        """
+        stream = self.generate_stream(
+            prompt, max_tokens, loops, temperature, top_k, top_p, seed, stop_tokens=stop_tokens, stop=stop,
+            grammar=grammar, l_warmup_tokens=l_warmup_tokens, l_warmup_loops=l_warmup_loops,
+        )  # fmt: skip
+        return np.fromiter(stream, dtype=np.int32)
+
+    def _tokenizer_json(self) -> dict[str, Any] | None:
+        """The embedded tokenizer's tokenizer.json (None for byte models): the hook grammars and stop
+        strings use to map token ids to bytes."""
+        if self.header.config.tokenizer == "bytes" or not self.has_tokenizer:
+            return None
+        return self.tokenizer.meta.tokenizer_json
+
+    def _sampling_params(self, max_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> SamplingParams:
+        return _sampling(max_tokens, temperature, top_k, top_p, seed)
 
 
 def _sampling(max_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> SamplingParams:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 
 from tinyloop.cli.args import CliError, Parser, non_negative_float, non_negative_int, positive_int, probability
+from tinyloop.cli.constraint_args import add_constraint_arguments, build_grammar
+from tinyloop.cli.text_generate import add_text_arguments, is_text_model, run_text_generate
 
 
 def build_parser() -> Parser:
@@ -20,15 +22,20 @@ def build_parser() -> Parser:
     p.add_argument("--l-warmup-tokens", type=non_negative_int, default=0, help="first N decode steps run shallower")
     p.add_argument("--l-warmup-L", type=positive_int, default=2, help="loops during the warm-up steps (default: 2)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    add_constraint_arguments(p)
+    add_text_arguments(p)
     return p
 
 
 def run_generate(path: str, argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if args.cache_window:
-        raise CliError("--cache-window > 0 (sliding-window KV cache) is not supported in this version yet")
-    if args.l_warmup_tokens:
-        raise CliError("--l-warmup-tokens > 0 (depth schedule) is not supported in this version yet")
+    if args.l_warmup_tokens and args.l_warmup_L > args.loops:
+        raise CliError(f"--l-warmup-L ({args.l_warmup_L}) must not exceed --loops ({args.loops})")
+    grammar = build_grammar(args)
+    if is_text_model(path):  # an embedded tokenizer: text prompts, family exits (cli/text_generate.py)
+        if args.l_warmup_tokens or grammar is not None:
+            raise CliError("--l-warmup-tokens, --regex and --json-schema need a byte-vocabulary model for now")
+        return run_text_generate(path, args, argv)
     prompt = args.prompt.encode("utf-8")
     if not prompt:
         raise CliError("--prompt must not be empty")
@@ -37,7 +44,9 @@ def run_generate(path: str, argv: list[str]) -> int:
     from tinyloop.errors import TinyLoopFormatError
 
     try:
-        model = Model(path, max_seq_len=len(prompt) + args.max_tokens, device=args.device)
+        model = Model(
+            path, max_seq_len=len(prompt) + args.max_tokens, device=args.device, cache_window=args.cache_window
+        )
     except TinyLoopFormatError as exc:
         raise CliError(str(exc), code=1) from None
     except ValueError as exc:
@@ -49,8 +58,9 @@ def run_generate(path: str, argv: list[str]) -> int:
         out.write(prompt)
         out.flush()
         stream = model.generate_stream(
-            list(prompt), args.max_tokens, args.loops, args.temperature, args.top_k, args.top_p, args.seed
-        )
+            list(prompt), args.max_tokens, args.loops, args.temperature, args.top_k, args.top_p, args.seed,
+            grammar=grammar, l_warmup_tokens=args.l_warmup_tokens, l_warmup_loops=args.l_warmup_L,
+        )  # fmt: skip
         for token in stream:
             out.write(bytes((token,)) if token < 256 else b"")
             out.flush()

@@ -13,8 +13,9 @@ VERBS: dict[str, tuple[str, str]] = {
     "verify": ("tinyloop.cli.verify_cmd", "run_verify"),
     "generate": ("tinyloop.cli.generate_cmd", "run_generate"),
     "lens": ("tinyloop.cli.lens_cmd", "run_lens"),
+    "speculate": ("tinyloop.cli.speculate_cmd", "run_speculate"),
 }
-LATER = {"benchmark", "speculate"}
+LATER = {"benchmark"}
 
 USAGE = """usage: tinyloop <model> <command> [options]
 
@@ -23,6 +24,7 @@ commands:
   inspect    header, dimensions, memory and KV estimates (reads no tensor data)
   verify     check every tensor's checksum
   generate   generate a continuation of --prompt
+  speculate  self-speculative decoding: draft with --draft-loops, verify with --verify-loops
   lens       the top prediction after each loop at every position (--plot FILE.png for a heatmap)
 run `tinyloop <model> <command> --help` for a command's options."""
 

@@ -21,9 +21,11 @@ PLACEHOLDER_CRC = "00000000"
 class HeaderPlan:
     """Where every stored tensor of a config + quantization goes; the header's bytes for given checksums."""
 
-    def __init__(self, cfg: ArchConfig, quant: QuantInfo) -> None:
+    def __init__(self, cfg: ArchConfig, quant: QuantInfo, extra_metadata: dict[str, str] | None = None) -> None:
         self.cfg = cfg
         self.quant = quant
+        # Optional metadata keys (e.g. `tokenizer`), written after the required ones.
+        self.extra_metadata = dict(extra_metadata or {})
         self.stored: dict[str, StoredSpec] = expected_stored(cfg, quant)
         self.offsets: dict[str, tuple[int, int]] = {}
         position = 0
@@ -43,6 +45,7 @@ class HeaderPlan:
             "config": self.cfg.to_json(),
             "quantization": json.dumps(self.quant.to_json_obj(), separators=(",", ":")),
             "checksums": json.dumps({n: crcs[n] for n in self.stored}, separators=(",", ":")),
+            **self.extra_metadata,
         }
         doc: dict[str, object] = {"__metadata__": metadata}
         for name, (begin, end) in self.offsets.items():

@@ -28,6 +28,7 @@ from tinyloop.format.spec import (
     expected_stored,
     kind_allowed,
 )
+from tinyloop.format.tokenizer_meta import TokenizerMetaError, parse_tokenizer_meta
 from tinyloop.layout import model_specs
 
 _VERSION_RE = re.compile(r"(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})")
@@ -178,6 +179,7 @@ class _Parser:
         if cfg.n_layers > len(entries):
             self.fail("config", f"at most {len(entries)} layers (one per stored tensor)", f"{cfg.n_layers} layers")
         quant = self.parse_quantization(meta["quantization"], cfg, lenient)
+        self.check_tokenizer(meta.get("tokenizer"), cfg)
         self.check_tensors(entries, expected_stored(cfg, quant))
         ordered = self.check_offsets(entries, size, data_start)
         checksums = self.parse_checksums(meta["checksums"], entries)
@@ -209,6 +211,17 @@ class _Parser:
             return ArchConfig.from_json(text)
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:
             self.fail("metadata 'config'", "a valid architecture config", _clip(str(exc), 240))
+
+    def check_tokenizer(self, text: str | None, cfg: ArchConfig) -> None:
+        """An embedded tokenizer needs config tokenizer 'embedded' (ids are not bytes); see tokenizer_meta."""
+        if text is None:
+            return
+        if cfg.tokenizer != "embedded":
+            self.fail("metadata 'tokenizer'", "no tokenizer when the config's tokenizer is 'bytes'", "one")
+        try:
+            parse_tokenizer_meta(text, cfg.vocab_size)
+        except TokenizerMetaError as exc:
+            self.fail("metadata 'tokenizer'", "a valid embedded tokenizer (docs/format.md 2.3)", _clip(str(exc), 240))
 
     def parse_entries(self, items: dict[str, Any]) -> dict[str, TensorEntry]:
         entries: dict[str, TensorEntry] = {}

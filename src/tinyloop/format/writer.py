@@ -83,19 +83,49 @@ def write_model(
     quant = plan_quantization(cfg, bits, group_size, float_dtype)
 
     def produce(spec: TensorSpec, tq: TensorQuant) -> list[torch.Tensor]:
-        t = tensors[spec.name].detach().to("cpu")
-        if not bool(torch.isfinite(t).all()):
-            raise ValueError(f"{spec.name}: tensor holds NaN or infinite values")
-        if spec.role == "vector" or tq.kind == "dense":
-            return [t]
-        if tq.kind == "int8":
-            w8 = quantize_int8(t)
-            return [w8.q, w8.scale]
-        assert tq.group_size is not None
-        w4 = quantize_int4(t, tq.group_size)
-        return [w4.packed, w4.scale, w4.minimum]
+        return _quantize(spec, tq, tensors[spec.name])
 
     return _write(path, cfg, quant, produce, progress)
+
+
+def write_model_streamed(
+    path: str | os.PathLike[str],
+    cfg: ArchConfig,
+    source: Callable[[TensorSpec], torch.Tensor],
+    bits: int = 16,
+    group_size: int | None = 64,
+    float_dtype: str = "F16",
+    progress: bool = True,
+    metadata: dict[str, str] | None = None,
+) -> ModelHeader:
+    """Like write_model, but `source(spec)` builds each float tensor on demand (in layout order), so only
+    one logical tensor is in memory at a time (converters of multi-GB checkpoints). `metadata` adds
+    optional keys such as `tokenizer`."""
+    quant = plan_quantization(cfg, bits, group_size, float_dtype)
+
+    def produce(spec: TensorSpec, tq: TensorQuant) -> list[torch.Tensor]:
+        t = source(spec)
+        if tuple(t.shape) != spec.shape or not t.is_floating_point():
+            raise ValueError(
+                f"{spec.name}: expected a float tensor of shape {list(spec.shape)}, found {t.dtype} {list(t.shape)}"
+            )
+        return _quantize(spec, tq, t)
+
+    return _write(path, cfg, quant, produce, progress, metadata)
+
+
+def _quantize(spec: TensorSpec, tq: TensorQuant, tensor: torch.Tensor) -> list[torch.Tensor]:
+    t = tensor.detach().to("cpu")
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{spec.name}: tensor holds NaN or infinite values")
+    if spec.role == "vector" or tq.kind == "dense":
+        return [t]
+    if tq.kind == "int8":
+        w8 = quantize_int8(t)
+        return [w8.q, w8.scale]
+    assert tq.group_size is not None
+    w4 = quantize_int4(t, tq.group_size)
+    return [w4.packed, w4.scale, w4.minimum]
 
 
 def write_quantized(
@@ -137,12 +167,17 @@ def write_quantized(
 
 
 def _write(
-    path: str | os.PathLike[str], cfg: ArchConfig, quant: QuantInfo, produce: Produce, progress: bool
+    path: str | os.PathLike[str],
+    cfg: ArchConfig,
+    quant: QuantInfo,
+    produce: Produce,
+    progress: bool,
+    metadata: dict[str, str] | None = None,
 ) -> ModelHeader:
     if sys.byteorder != "little":
         raise RuntimeError("writing .tinyloop files needs a little-endian machine")
     path = os.fspath(path)
-    plan = HeaderPlan(cfg, quant)
+    plan = HeaderPlan(cfg, quant, metadata)
     checksums: dict[str, str] = {}
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)

@@ -14,7 +14,11 @@ from tinyloop.model.weights import LayerWeights, Norm
 
 
 class KVStore(Protocol):
-    """What attention needs from a cache: store this step's K/V in a slot, return what to attend to."""
+    """What attention needs from a cache: store this step's K/V in a slot, return what to attend to.
+
+    A store with `stores_hidden = True` is called as `update_hidden(slot, x, k, v, ctx, w)` instead
+    (x: the layer's normalized input, w: its LayerWeights), to keep x and rebuild K/V from it.
+    """
 
     def update(
         self, slot: int, k: torch.Tensor, v: torch.Tensor, ctx: StepContext
@@ -81,15 +85,36 @@ def attention(x: torch.Tensor, w: LayerWeights, cfg: ArchConfig, ctx: StepContex
     k = k.transpose(1, 2)  # [B, KVH, T, hd]
     v = v.view(B, T, cfg.n_kv_heads, cfg.head_dim).transpose(1, 2)
     gqa = cfg.n_heads != cfg.n_kv_heads
-    if ctx.cache is not None:
+    if ctx.cache is not None and getattr(ctx.cache, "stores_hidden", False):
+        k_all, v_all = ctx.cache.update_hidden(slot, x, k, v, ctx, w)  # type: ignore[attr-defined]
+    elif ctx.cache is not None:
         k_all, v_all = ctx.cache.update(slot, k, v, ctx)
     else:
         k_all, v_all = k, v
     if ctx.mask is None:
         out = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=T > 1, enable_gqa=gqa)
+    elif q.device.type == "cpu":
+        out = masked_attention(q, k_all, v_all, ctx.mask)
     else:
         out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=ctx.mask, enable_gqa=gqa)
     return linear(out.transpose(1, 2).reshape(B, T, cfg.q_dim), w.out)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Softmax attention with a boolean mask, as plain matmuls.
+
+    On CPU, SDPA with an explicit mask costs milliseconds even for one query over a few keys; decode
+    steps (a few queries over a cached span) are far cheaper this way. q [B, H, T, hd], k/v [B, KVH, S, hd],
+    mask [B, 1, T, S]; query head h reads kv head h // (H / KVH).
+    """
+    B, H, T, hd = q.shape
+    kvh, S = k.shape[1], k.shape[2]
+    group = H // kvh
+    qg = q.reshape(B, kvh, group * T, hd)
+    scores = (qg @ k.transpose(-1, -2)).view(B, kvh, group, T, S) * (hd**-0.5)
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype).view(B, kvh, group * T, S)
+    return (probs @ v).view(B, H, T, hd)
 
 
 def mlp(x: torch.Tensor, w: LayerWeights, cfg: ArchConfig) -> torch.Tensor:

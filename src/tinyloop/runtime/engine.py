@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from tinyloop.cache.base import StepCache
 from tinyloop.cache.kv import KVCache
 from tinyloop.config import ArchConfig
 from tinyloop.model.layers import KVStore, StepContext, rope_tables
@@ -37,7 +38,7 @@ class Engine:
     def step(
         self,
         tokens: torch.Tensor,
-        cache: KVCache | None,
+        cache: StepCache | None,
         loops: int,
         *,
         valid: torch.Tensor | None = None,
@@ -70,6 +71,9 @@ class Engine:
         positions = (start[:, None] + torch.arange(T)[None, :]).to(self.device)
         fresh = cache is None or int(start.max()) == 0
         ctx = self.context(positions, cache, None if fresh else end)
+        begin_step = getattr(cache, "begin_step", None)
+        if begin_step is not None:  # the store lays out its own span (sliding-window ring)
+            ctx.mask = begin_step(positions, start, valid_cpu)
         last_index = (valid_cpu - 1).to(self.device) if last_only else None
         out = forward(
             self.weights, self.cfg, tokens.to(self.device), ctx, loops,

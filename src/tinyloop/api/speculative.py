@@ -1,0 +1,107 @@
+"""Model.generate_speculative: self-speculative decoding (few loops draft, many loops verify)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from tinyloop.api.decoding import grammar_index, model_vocab
+from tinyloop.format.header import ModelHeader
+from tinyloop.runtime.engine import Engine
+from tinyloop.runtime.generate import SamplingParams
+from tinyloop.runtime.speculative import SpecConfig, SpeculativeStats, speculative_tokens
+
+
+@dataclass(frozen=True)
+class SpeculativeResult:
+    """tokens: the new ids (np.int32); stats: drafted/accepted counts, verify passes, timings, and
+    finished (False when a grammar was left in a non-accepting state at max_tokens)."""
+
+    tokens: np.ndarray
+    stats: SpeculativeStats
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.stats.acceptance_rate
+
+    @property
+    def tokens_per_verify(self) -> float:
+        return self.stats.tokens_per_verify
+
+    @property
+    def time_s(self) -> float:
+        return self.stats.time_s
+
+
+class SpeculativeMixin:
+    """Needs `header`, `_engine`, `max_seq_len`, `_check_open`, `_tokens`, `_generation_cache` and
+    `_sampling_params` from the Model."""
+
+    header: ModelHeader
+    _engine: Engine
+    max_seq_len: int
+
+    def _check_open(self) -> None:
+        raise NotImplementedError
+
+    def _tokens(self, tokens: Any, name: str = "tokens") -> torch.Tensor:
+        raise NotImplementedError
+
+    def _generation_cache(self, loops: int) -> Any:
+        raise NotImplementedError
+
+    def _tokenizer_json(self) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def _sampling_params(self, max_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> SamplingParams:
+        raise NotImplementedError
+
+    def generate_speculative(
+        self,
+        prompt: Any,
+        max_tokens: int = 50,
+        draft_loops: int = 2,
+        verify_loops: int = 8,
+        draft_ahead: int = 4,
+        temperature: float = 0.0,
+        top_k: int = 50,
+        top_p: float = 0.9,
+        seed: int | None = None,
+        adaptive: bool = True,
+        *,
+        grammar: Any = None,
+    ) -> SpeculativeResult:
+        """New tokens drafted at `draft_loops` and verified at `verify_loops`, with the same weights.
+
+        Greedy output equals generate(..., loops=verify_loops, temperature=0); with temperature > 0 drafts
+        are accepted by rejection sampling, so the output is distributed as plain sampling at verify_loops
+        (same temperature/top_k/top_p). adaptive: the draft length grows after fully accepted rounds,
+        shrinks after rejections, and speculation pauses for plain steps while it would be slower.
+        """
+        self._check_open()
+        ids = self._tokens(prompt, "prompt")
+        params = self._sampling_params(max_tokens, temperature, top_k, top_p, seed)
+        for name, value in (("draft_loops", draft_loops), ("verify_loops", verify_loops), ("draft_ahead", draft_ahead)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if draft_loops >= verify_loops:
+            raise ValueError(f"draft_loops ({draft_loops}) must be smaller than verify_loops ({verify_loops})")
+        if ids.numel() + max_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({ids.numel()} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len {self.max_seq_len}"
+            )
+        cache = self._generation_cache(int(verify_loops))
+        if cache is None:
+            raise ValueError("speculative decoding needs a KV cache (unset TINYLOOP_DISABLE_KV_CACHE / kv_mode 'none')")
+        index = None
+        if grammar is not None:
+            vocab = model_vocab(self.header.config, self._tokenizer_json())
+            index = grammar_index(grammar, vocab, self._engine.device)
+        spec = SpecConfig(int(draft_loops), int(verify_loops), int(draft_ahead), bool(adaptive))
+        stats = SpeculativeStats()
+        stream = speculative_tokens(self._engine, cache, ids, int(max_tokens), spec, params, stats, grammar=index)
+        tokens = np.fromiter(stream, dtype=np.int32)
+        return SpeculativeResult(tokens, stats)

@@ -1,0 +1,113 @@
+"""The contracts every KV-cache mode meets: what the engine steps over, and what snapshots need."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tinyloop.config import ArchConfig
+from tinyloop.errors import OutOfMemoryError
+from tinyloop.model.layers import StepContext
+from tinyloop.runtime.memory import check_host_memory
+
+
+class StepCache(Protocol):
+    """What `Engine.step` and the decode loop need: a KV store plus its length bookkeeping.
+
+    A store may also define `begin_step(positions, start, valid) -> mask` ([B, 1, T, S] bool); the
+    engine then uses that mask instead of its own (the sliding window attends over a ring, not 0..end).
+    """
+
+    loops: int
+    max_seq: int
+    lengths: torch.Tensor
+
+    def update(
+        self, slot: int, k: torch.Tensor, v: torch.Tensor, ctx: StepContext
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def truncate(self, length: int | torch.Tensor) -> None: ...
+
+
+class ModeCache(StepCache, Protocol):
+    """A working cache of one KV mode, able to export and import a prefix of row 0.
+
+    snapshot(length, loops): independent copies of what positions [0, length) of the slots used at
+    `loops` hold (only those positions: a snapshot's size grows with its length, not with max_seq).
+    restore(tensors, length, loops, use): load such a snapshot into row 0 and keep its first `use`
+    tokens; `can_use(length, use)` says whether that truncation is exact in this mode.
+    """
+
+    mode: str
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def snapshot(self, length: int, loops: int) -> dict[str, torch.Tensor]: ...
+
+    def restore(self, tensors: dict[str, torch.Tensor], length: int, loops: int, use: int) -> None: ...
+
+    def can_use(self, length: int, use: int) -> bool: ...
+
+    def check_integrity(self) -> None: ...
+
+
+def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, what: str) -> torch.Tensor:
+    """A zeroed buffer, or OutOfMemoryError ('out of memory: ...') before or instead of a crash."""
+    dev = torch.device(device)
+    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    check_host_memory(dev, nbytes)
+    try:
+        # Zeros, not empty: masked-out entries still enter the attention matmul (0 * NaN = NaN).
+        return torch.zeros(shape, dtype=dtype, device=dev)
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        raise OutOfMemoryError(f"{what} of {nbytes / 2**20:.1f} MiB {tuple(shape)} on {dev}: {exc}") from None
+
+
+def copy_out(t: torch.Tensor, what: str) -> torch.Tensor:
+    """An owned, contiguous copy (snapshots must not alias the working cache)."""
+    return allocate(tuple(t.shape), t.dtype, t.device, what).copy_(t)
+
+
+def row_lengths(length: int | torch.Tensor, batch: int) -> torch.Tensor:
+    return torch.as_tensor(length, dtype=torch.long).expand(batch).clone()
+
+
+class PositionalSnapshots:
+    """snapshot/restore for caches whose buffers hold position p at index p ([slots, B, ..., max_seq, ...])."""
+
+    cfg: ArchConfig
+    loops: int
+    max_seq: int
+    lengths: torch.Tensor
+
+    def _positional(self) -> dict[str, tuple[torch.Tensor, int]]:
+        """name -> (buffer, the buffer's position axis)."""
+        raise NotImplementedError
+
+    def snapshot(self, length: int, loops: int) -> dict[str, torch.Tensor]:
+        if not 0 < length <= int(self.lengths[0]) or loops > self.loops:
+            raise ValueError(f"cannot snapshot {length} tokens at {loops} loops from a cache holding "
+                             f"{int(self.lengths[0])} tokens at {self.loops} loops")  # fmt: skip
+        n = self.cfg.n_cache_slots(loops)
+        return {
+            name: copy_out(buf[:n, 0].narrow(axis - 1, 0, length), "prefix snapshot")
+            for name, (buf, axis) in self._positional().items()
+        }
+
+    def restore(self, tensors: dict[str, torch.Tensor], length: int, loops: int, use: int) -> None:
+        if loops > self.loops or not 0 <= use <= length or use > self.max_seq:
+            raise ValueError(f"cannot restore {use} of {length} tokens at {loops} loops into a cache of "
+                             f"{self.max_seq} tokens at {self.loops} loops")  # fmt: skip
+        n = self.cfg.n_cache_slots(loops)
+        for name, (buf, axis) in self._positional().items():
+            src = tensors[name]
+            if src.shape[0] != n or src.shape[axis - 1] != length:
+                raise ValueError(f"snapshot tensor {name!r} has shape {tuple(src.shape)}, not {n} slots x {length}")
+            buf[:n, 0].narrow(axis - 1, 0, use).copy_(src.narrow(axis - 1, 0, use))
+        self.lengths = self.lengths.clone()
+        self.lengths[0] = use
+
+    def can_use(self, length: int, use: int) -> bool:
+        return 0 <= use <= length

@@ -1,0 +1,95 @@
+"""`tinyloop <model> generate` for models with an embedded tokenizer: text in, text out, family exits."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tinyloop.cli.args import CliError, Parser, non_negative_int, positive_int, probability
+
+# runtime.adaptive_exit.CRITERIA, repeated so that parsing needs no torch.
+CRITERIA = ("kl", "entropy", "argmax", "latent", "gate")
+
+
+def add_text_arguments(p: Parser) -> None:
+    g = p.add_argument_group("models with an embedded tokenizer (Ouro, Huginn)")
+    g.add_argument("--chat", action="store_true", help="send --prompt as a user message through the chat template")
+    g.add_argument("--system", default=None, help="with --chat: a system message first")
+    g.add_argument("--exit-threshold", type=probability, help="Ouro: exit at the first loop with CDF >= q")
+    g.add_argument("--exit-at-step", type=non_negative_int, help="Ouro: read the output of loop N (0-based)")
+    g.add_argument("--weighted-exit", action="store_true", help="Ouro: mix every loop's logits by the exit pdf")
+    g.add_argument("--exit-criterion", choices=CRITERIA, help="per-token adaptive depth in decoding (Huginn's)")
+    g.add_argument("--exit-tol", type=float, default=None, help="threshold of --exit-criterion (default: Huginn's)")
+    g.add_argument("--min-loops", type=positive_int, default=1, help="with --exit-criterion: loops before any exit")
+    g.add_argument("--no-stop", action="store_true", help="do not stop at the family's end tokens")
+
+
+def is_text_model(path: str) -> bool:
+    """Token ids are not bytes: the model has (or should have) an embedded tokenizer."""
+    from tinyloop.errors import TinyLoopFormatError
+    from tinyloop.format.header import read_header
+
+    try:
+        header = read_header(path)
+    except TinyLoopFormatError:
+        return False  # the byte path reports the error
+    return header.config.tokenizer == "embedded" or "tokenizer" in header.metadata
+
+
+def _explicit(argv: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def run_text_generate(path: str, args: argparse.Namespace, argv: list[str]) -> int:
+    if not args.prompt:
+        raise CliError("--prompt must not be empty")
+    if args.cache_window:
+        raise CliError("--cache-window is not supported with an embedded tokenizer's generation yet")
+    from tinyloop.api.model import Model
+    from tinyloop.errors import TinyLoopFormatError
+    from tinyloop.format.header import read_header
+
+    try:
+        max_pos = read_header(path).config.max_position
+        model = Model(path, max_seq_len=max_pos, device=args.device)
+    except TinyLoopFormatError as exc:
+        raise CliError(str(exc), code=1) from None
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    with model:
+        if not model.has_tokenizer:
+            raise CliError("this model has no embedded tokenizer; re-convert it from a folder with tokenizer.json")
+        loops = args.loops if _explicit(argv, "--loops") else model.header.config.default_loops
+        prompt: str | list[dict[str, str]] = args.prompt
+        if args.chat:
+            prompt = [{"role": "user", "content": args.prompt}]
+            if args.system:
+                prompt.insert(0, {"role": "system", "content": args.system})
+        out = sys.stdout
+        if not args.chat:
+            out.write(args.prompt)
+            out.flush()
+        try:
+            stream = model.generate_text_stream(
+                prompt, args.max_tokens, loops, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                seed=args.seed, exit_threshold=args.exit_threshold, exit_at_step=args.exit_at_step,
+                weighted_exit=args.weighted_exit, exit_criterion=args.exit_criterion, exit_tol=args.exit_tol,
+                min_loops=args.min_loops, stop=not args.no_stop,
+            )  # fmt: skip
+            for piece in stream:
+                out.write(piece)
+                out.flush()
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        out.write("\n")
+        out.flush()
+        s = model.last_family_stats
+        assert s is not None
+        depth = sum(s.exit_depths) / len(s.exit_depths) if s.exit_depths else float(loops)
+        print(
+            f"prefill: {s.prefill_s * 1e3:.1f} ms ({s.prompt_tokens} tokens), "
+            f"decode: {s.decode_tokens_per_s:.1f} tokens/s ({s.generated_tokens} tokens, loops {loops}, "
+            f"mean depth {depth:.2f})",
+            file=sys.stderr,
+        )
+    return 0

@@ -1,0 +1,188 @@
+"""Generation with the looped families' exit mechanisms: Ouro's gate rules and per-token adaptive depth.
+
+Per-token adaptive exit (Huginn's criteria, or Ouro's gate CDF) stops a decode token's loop early. Later
+tokens still attend at every iteration, so the KV slots of the iterations a token skipped are filled with
+the K/V of its last computed iteration, per body layer: the lookup Huginn calls "latest-m4" (newest
+iteration <= the asked one, same layer). The copy is the depth schedule's helper (same rule), so both
+features leave caches in the same state. The prompt always runs the full depth.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from tinyloop.cache.kv import KVCache
+from tinyloop.model.looped import embed, exit_hidden, gate_logit, head, initial_state, loop_iteration, run_prelude
+from tinyloop.runtime.depth_schedule import fill_skipped_iterations
+from tinyloop.runtime.engine import Engine
+from tinyloop.runtime.family_exit import ExitRule, check_supported, exit_logits
+from tinyloop.runtime.generate import GenerationStats, SamplingParams
+from tinyloop.runtime.sampling import sample_next
+
+CRITERIA = ("kl", "entropy", "argmax", "latent", "gate")
+# Huginn's "auto" thresholds (argmax: consecutive unchanged steps); gate: Ouro's CDF threshold q.
+DEFAULT_THRESHOLDS = {"kl": 1e-3, "entropy": 1e-3, "argmax": 5.0, "latent": 0.03, "gate": 0.5}
+
+
+@dataclass(frozen=True)
+class ExitCriterion:
+    """Stop a decode token's loop after iteration t (t + 1 >= min_loops) when:
+    kl: KL(p_{t-1} || p_t) < threshold (p_{-1} uniform); entropy: |H_t - H_{t-1}| < threshold;
+    argmax: the argmax has not changed for `threshold` consecutive iterations; latent:
+    ||s_t - s_{t-1}|| / ||s_t|| < threshold (raw loop states); gate: Ouro's exit CDF >= threshold.
+    """
+
+    kind: str
+    threshold: float | None = None
+    min_loops: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in CRITERIA:
+            raise ValueError(f"exit criterion must be one of {list(CRITERIA)}, got {self.kind!r}")
+        t = self.value
+        if not math.isfinite(t) or t < 0 or (self.kind == "argmax" and (t < 1 or t != int(t))):
+            raise ValueError(f"exit threshold for {self.kind!r} must be a finite number >= 0 (argmax: integer >= 1)")
+        if isinstance(self.min_loops, bool) or not isinstance(self.min_loops, int) or self.min_loops < 1:
+            raise ValueError(f"min_loops must be an integer >= 1, got {self.min_loops!r}")
+
+    @property
+    def value(self) -> float:
+        return DEFAULT_THRESHOLDS[self.kind] if self.threshold is None else float(self.threshold)
+
+
+@dataclass
+class _Tracker:
+    """What a criterion remembers between iterations of one token."""
+
+    crit: ExitCriterion
+    vocab: int
+    prev_logp: torch.Tensor | None = None
+    prev_entropy: float | None = None
+    prev_argmax: int = -1
+    streak: int = 0
+    survival: float = 1.0
+    prev_state: torch.Tensor | None = None
+    logits: torch.Tensor | None = field(default=None, repr=False)
+
+    def needs_logits(self) -> bool:
+        return self.crit.kind in ("kl", "entropy", "argmax")
+
+    def should_exit(self, logits: torch.Tensor | None, state: torch.Tensor, gate: torch.Tensor | None) -> bool:
+        kind, thr = self.crit.kind, self.crit.value
+        if kind == "latent":
+            prev, self.prev_state = self.prev_state, state
+            assert prev is not None
+            return float((state - prev).float().norm() / state.float().norm().clamp_min(1e-30)) < thr
+        if kind == "gate":
+            assert gate is not None
+            self.survival *= 1.0 - float(torch.sigmoid(gate.float()))
+            return 1.0 - self.survival >= thr
+        assert logits is not None
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        if kind == "kl":
+            prev = self.prev_logp if self.prev_logp is not None else torch.full_like(logp, -math.log(self.vocab))
+            self.prev_logp = logp
+            return float((prev.exp() * (prev - logp)).sum()) < thr
+        if kind == "entropy":
+            ent = float(-(logp.exp() * logp).sum())
+            prev_ent, self.prev_entropy = self.prev_entropy, ent
+            return prev_ent is not None and abs(ent - prev_ent) < thr
+        top = int(logp.argmax())
+        self.streak = self.streak + 1 if top == self.prev_argmax else 0
+        self.prev_argmax = top
+        return self.streak >= int(thr)
+
+
+@torch.inference_mode()
+def adaptive_decode_step(
+    engine: Engine, cache: KVCache, token: int, loops: int, crit: ExitCriterion
+) -> tuple[torch.Tensor, int]:
+    """One decode token (batch row 0) with per-token exit: (logits [V] float32, iterations run)."""
+    cfg, w = engine.cfg, engine.weights
+    pos = int(cache.lengths[0])
+    if pos + 1 > cache.max_seq:
+        raise ValueError(f"sequence of {pos + 1} tokens exceeds the cache's max_seq_len {cache.max_seq}")
+    positions = torch.tensor([[pos]], device=engine.device)
+    ctx = engine.context(positions, cache, pos + 1)
+    p = run_prelude(w, cfg, embed(w, cfg, torch.tensor([[token]], device=engine.device), engine.dtype), ctx)
+    s = initial_state(cfg, p, positions, engine.noise)
+    tracker = _Tracker(crit, cfg.vocab_size, prev_state=s)
+    logits: torch.Tensor | None = None
+    depth = loops
+    for t in range(loops):
+        s = loop_iteration(w, cfg, s, p, ctx, t)
+        if t == loops - 1 or t + 1 < crit.min_loops:
+            if crit.kind == "latent":
+                tracker.prev_state = s
+            continue
+        check = head(w, cfg, exit_hidden(w, cfg, s, ctx))[0, -1] if tracker.needs_logits() else None
+        gate = gate_logit(w, s)[0, -1] if crit.kind == "gate" else None
+        if tracker.should_exit(check, s, gate):
+            fill_skipped_iterations(cache, t + 1, loops, pos, pos + 1)
+            logits, depth = check, t + 1
+            break
+    if logits is None:
+        logits = head(w, cfg, exit_hidden(w, cfg, s, ctx))[0, -1]
+    cache.lengths = torch.maximum(cache.lengths, torch.tensor([pos + 1]))
+    return logits, depth
+
+
+@dataclass
+class FamilyStats(GenerationStats):
+    exit_depths: list[int] = field(default_factory=list)  # iterations run per generated token (prompt: full)
+
+
+def stream_family(
+    engine: Engine,
+    prompt: torch.Tensor,
+    max_tokens: int,
+    loops: int,
+    params: SamplingParams,
+    rule: ExitRule | None = None,
+    criterion: ExitCriterion | None = None,
+    stop_ids: tuple[int, ...] = (),
+    stats: FamilyStats | None = None,
+) -> Iterator[int]:
+    """Yield new ids (a stop id is yielded, then the stream ends). `rule` reads Ouro's gate over all loops
+    (the reference's semantics); `criterion` exits each decode token early. Not both."""
+    rule = rule or ExitRule()
+    if criterion is not None and not rule.is_last:
+        raise ValueError("use either an exit rule (exit_threshold / exit_at_step / weighted_exit) or an exit criterion")
+    check_supported(engine.cfg, rule, loops)
+    if criterion is not None and criterion.kind == "gate" and not engine.cfg.exit_gate:
+        raise ValueError("the 'gate' exit criterion needs a model with an exit gate (Ouro)")
+    stats = stats if stats is not None else FamilyStats()
+    stats.prompt_tokens = int(prompt.numel())
+    if max_tokens == 0:
+        return
+    cache = KVCache(engine.cfg, 1, int(prompt.numel()) + max_tokens, loops, engine.device, engine.dtype)
+    gen = params.generator()
+    t0 = time.perf_counter()
+    logits = _rule_step(engine, cache, prompt.to(torch.long).view(1, -1), loops, rule)
+    stats.prefill_s = time.perf_counter() - t0
+    stats.exit_depths.append(loops)
+    t1 = time.perf_counter()
+    for i in range(max_tokens):
+        token = sample_next(logits, params.temperature, params.top_k, params.top_p, gen)
+        stats.generated_tokens += 1
+        if i:
+            stats.decode_s = time.perf_counter() - t1
+        yield token
+        if token in stop_ids or i == max_tokens - 1:
+            return
+        if criterion is None:
+            logits = _rule_step(engine, cache, torch.tensor([[token]]), loops, rule)
+            stats.exit_depths.append(loops)
+        else:
+            logits, depth = adaptive_decode_step(engine, cache, token, loops, criterion)
+            stats.exit_depths.append(depth)
+
+
+def _rule_step(engine: Engine, cache: KVCache, tokens: torch.Tensor, loops: int, rule: ExitRule) -> torch.Tensor:
+    out = engine.step(tokens, cache, loops, last_only=True, collect_states=not rule.is_last)
+    return exit_logits(engine.weights, engine.cfg, out, rule, slice(-1, None))[0, -1]

@@ -1,0 +1,123 @@
+"""Malformed Hugging Face folders fail with one TinyLoopFormatError naming the problem."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from family_helpers import copy_vectors
+from tinyloop.cli.convert import main as convert_main
+from tinyloop.convert.from_hf import convert_hf
+from tinyloop.errors import TinyLoopFormatError
+
+
+def _convert(folder: Path, tmp_path: Path) -> None:
+    convert_hf(folder, tmp_path / "out.tinyloop", progress=False)
+
+
+def _edit_config(folder: Path, **changes: object) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def _shard(folder: Path, family: str) -> None:
+    """Split model.safetensors into two shards with an index, as save_pretrained does for big models."""
+    tensors = load_file(str(folder / "model.safetensors"))
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for shard, keys in halves.items():
+        save_file({k: tensors[k] for k in keys}, str(folder / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(keys, shard))
+    (folder / "model.safetensors").unlink()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_sharded_folder_converts_to_the_same_file(tmp_path: Path, family: str) -> None:
+    single = copy_vectors(family, tmp_path / "single", tokenizer=False)
+    sharded = copy_vectors(family, tmp_path / "sharded", tokenizer=False)
+    _shard(sharded, family)
+    a = convert_hf(single, tmp_path / "a.tinyloop", progress=False)
+    b = convert_hf(sharded, tmp_path / "b.tinyloop", progress=False)
+    assert a.checksums == b.checksums
+
+
+def test_missing_shard(tmp_path: Path) -> None:
+    folder = copy_vectors("ouro", tmp_path / "hf", tokenizer=False)
+    _shard(folder, "ouro")
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(TinyLoopFormatError, match=r"shards: .*missing \['model-00002-of-00002.safetensors'\]"):
+        _convert(folder, tmp_path)
+
+
+def test_missing_config(tmp_path: Path) -> None:
+    folder = copy_vectors("huginn", tmp_path / "hf", tokenizer=False)
+    (folder / "config.json").unlink()
+    with pytest.raises(TinyLoopFormatError, match="config.json: expected a JSON file in the model folder"):
+        _convert(folder, tmp_path)
+
+
+def test_unknown_model_type(tmp_path: Path) -> None:
+    folder = copy_vectors("ouro", tmp_path / "hf", tokenizer=False)
+    _edit_config(folder, model_type="llama")
+    with pytest.raises(TinyLoopFormatError, match=r"model_type'.*\['huginn_raven', 'ouro'\].*'llama'"):
+        _convert(folder, tmp_path)
+
+
+def test_wrong_shape(tmp_path: Path) -> None:
+    folder = copy_vectors("ouro", tmp_path / "hf", tokenizer=False)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(170, 64)
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(TinyLoopFormatError, match=r"'model.layers.1.mlp.up_proj.weight'.*\[176, 64\].*\[170, 64\]"):
+        _convert(folder, tmp_path)
+
+
+def test_missing_and_unknown_tensors(tmp_path: Path) -> None:
+    folder = copy_vectors("huginn", tmp_path / "hf", tokenizer=False)
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["transformer.core_block.1.attn.qk_bias"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(TinyLoopFormatError, match=r"missing transformer.core_block.1.attn.qk_bias"):
+        _convert(folder, tmp_path)
+    tensors["transformer.core_block.1.attn.qk_bias"] = torch.zeros(2, 1, 4, 16)
+    tensors["transformer.core_block.1.attn.extra_scale"] = torch.ones(4)
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(TinyLoopFormatError, match=r"unknown transformer.core_block.1.attn.extra_scale"):
+        _convert(folder, tmp_path)
+
+
+def test_huginn_untied_head_is_refused_and_a_copy_is_accepted(tmp_path: Path) -> None:
+    folder = copy_vectors("huginn", tmp_path / "hf", tokenizer=False)
+    tensors = load_file(str(folder / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()
+    save_file(tensors, str(folder / "model.safetensors"))
+    _convert(folder, tmp_path)  # the released layout: two identical copies
+    tensors["lm_head.weight"][3, 5] += 1.0
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(TinyLoopFormatError, match="lm_head.weight.*different values"):
+        _convert(folder, tmp_path)
+
+
+def test_unsupported_config_value(tmp_path: Path) -> None:
+    folder = copy_vectors("ouro", tmp_path / "hf", tokenizer=False)
+    _edit_config(folder, rope_scaling={"type": "linear", "factor": 2.0})
+    with pytest.raises(TinyLoopFormatError, match="rope_scaling"):
+        _convert(folder, tmp_path)
+
+
+def test_cli_reports_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder = copy_vectors("ouro", tmp_path / "hf", tokenizer=False)
+    (folder / "model.safetensors").unlink()
+    code = convert_main(["--from-hf", str(folder), "-o", str(tmp_path / "x.tinyloop"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "weights: expected model.safetensors or model.safetensors.index.json, found neither" in err
+    assert not (tmp_path / "x.tinyloop").exists()
+    assert convert_main(["--from-hf", str(folder), "--random", "-o", str(tmp_path / "x.tinyloop")]) == 2

@@ -1,0 +1,97 @@
+"""Self-speculative decoding: greedy identity with plain decoding, exact rollback, resumed verification."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gen_helpers import PROMPTS, tiny_engine
+
+from tinyloop.api.model import Model
+from tinyloop.runtime.generate import SamplingParams, stream_tokens
+from tinyloop.runtime.speculative import SpecConfig, SpeculativeStats, speculative_tokens
+
+PAIRS = [(1, 4), (2, 8)]
+
+
+@pytest.fixture(scope="module")
+def model(tiny_files):
+    with Model(tiny_files["f32"], max_seq_len=256) as m:
+        yield m
+
+
+@pytest.mark.parametrize("draft, verify", PAIRS)
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_greedy_speculative_equals_plain_greedy_api(model, draft, verify, adaptive) -> None:
+    for prompt in PROMPTS[:2]:
+        plain = model.generate(list(prompt), 24, verify, temperature=0)
+        res = model.generate_speculative(list(prompt), 24, draft, verify, 4, adaptive=adaptive)
+        assert res.tokens.dtype == np.int32
+        np.testing.assert_array_equal(res.tokens, plain)
+        assert res.stats.generated_tokens == 24 and res.stats.verify_passes + res.stats.plain_steps >= 1
+
+
+@pytest.mark.parametrize("draft, verify", PAIRS)
+@pytest.mark.parametrize("resume", [True, False])
+def test_greedy_identity_when_drafts_are_often_right(draft, verify, resume) -> None:
+    engine = tiny_engine(contractive=0.05)
+    total = SpeculativeStats()
+    for prompt in PROMPTS[1:3]:
+        ids = torch.tensor(list(prompt))
+        plain = list(stream_tokens(engine, engine.new_cache(1, 128, verify), ids, 32, verify, SamplingParams(0.0)))
+        stats = SpeculativeStats()
+        spec = SpecConfig(draft, verify, 4, adaptive=False, resume_verify=resume)
+        cache = engine.new_cache(1, 128, verify)
+        got = list(speculative_tokens(engine, cache, ids, 32, spec, SamplingParams(0.0), stats))
+        assert got == plain
+        total.drafted += stats.drafted
+        total.accepted += stats.accepted
+    # Both paths ran: some drafts accepted, some rejected (rolled back).
+    assert 0 < total.accepted < total.drafted
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3, 5])
+def test_draft_ahead_beyond_what_is_left(model, max_tokens) -> None:
+    prompt = list(b"abc")
+    plain = model.generate(prompt, max_tokens, 4, temperature=0)
+    res = model.generate_speculative(prompt, max_tokens, 1, 4, draft_ahead=8, adaptive=False)
+    np.testing.assert_array_equal(res.tokens, plain)
+    engine = tiny_engine(contractive=0.0)  # every draft accepted: rounds end exactly at max_tokens
+    ids = torch.tensor(prompt)
+    ref = list(stream_tokens(engine, engine.new_cache(1, 64, 4), ids, max_tokens, 4, SamplingParams(0.0)))
+    spec = SpecConfig(1, 4, 8, adaptive=False)
+    got = list(speculative_tokens(engine, engine.new_cache(1, 64, 4), ids, max_tokens, spec, SamplingParams(0.0)))
+    assert got == ref
+
+
+def test_rollback_leaves_the_cache_as_plain_decoding_would() -> None:
+    """After speculation, every slot at every kept position equals a plain decode of the same tokens."""
+    engine = tiny_engine(contractive=0.05)
+    ids = torch.tensor(list(PROMPTS[0]))
+    cache = engine.new_cache(1, 128, 8)
+    stats = SpeculativeStats()
+    got = list(speculative_tokens(engine, cache, ids, 30, SpecConfig(2, 8, 4, False), SamplingParams(0.0), stats))
+    assert stats.accepted < stats.drafted  # some rounds were rolled back
+    n = int(cache.lengths[0])
+    assert n == len(ids) + len(got) - 1  # the last token is sampled, not yet stored
+    ref = engine.new_cache(1, 128, 8)
+    engine.step(torch.cat((ids, torch.tensor(got[:-1])))[None], ref, 8)
+    torch.testing.assert_close(cache.k[:, :, :, :n], ref.k[:, :, :, :n], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.v[:, :, :, :n], ref.v[:, :, :, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_adaptive_falls_back_to_plain_steps_when_drafts_are_poor(model) -> None:
+    res = model.generate_speculative(list(b"Hello"), 40, 1, 4, 4, adaptive=True)
+    assert res.acceptance_rate < 0.2
+    assert res.stats.plain_steps > 25  # mostly plain decoding, with occasional probes
+    fixed = model.generate_speculative(list(b"Hello"), 40, 1, 4, 4, adaptive=False)
+    assert fixed.stats.plain_steps <= 1 and fixed.stats.verify_passes > 25
+
+
+def test_bad_arguments(model) -> None:
+    with pytest.raises(ValueError, match="draft_loops"):
+        model.generate_speculative([1, 2], 5, draft_loops=4, verify_loops=4)
+    with pytest.raises(ValueError, match="draft_ahead"):
+        model.generate_speculative([1, 2], 5, draft_ahead=0)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate_speculative([1, 2], 5, temperature=-1.0)
