@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from family_helpers import max_rel, reference
+
 from tinyloop.api.model import Model
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.family_exit import ExitRule, exit_logits, exit_pdf, threshold_steps

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_helpers import copy_vectors
 from safetensors.torch import load_file, save_file
 
-from family_helpers import copy_vectors
 from tinyloop.cli.convert import main as convert_main
 from tinyloop.convert.from_hf import convert_hf
 from tinyloop.errors import TinyLoopFormatError

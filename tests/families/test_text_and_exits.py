@@ -98,12 +98,12 @@ def test_incremental_decoding_keeps_multibyte_characters_whole(family_files) -> 
 
 def test_generate_text_stops_at_end_tokens(family_files) -> None:
     with Model(family_files["ouro"], max_seq_len=256, device="cpu") as m:
-        full = m.generate_tokens(m.encode("The quick"), 40, temperature=0, stop=False)
+        full = m.generate_tokens(m.encode("The quick"), 16, temperature=0, stop=False)
         stops = set(m.tokenizer.stop_ids)
-        text = m.generate_text("The quick", 40, temperature=0)
+        text = m.generate_text("The quick", 16, temperature=0)
         cut = next((i for i, t in enumerate(full.tolist()) if t in stops), len(full))
         assert text == m.decode(full[:cut])
-        stopped = m.generate_tokens(m.encode("The quick"), 40, temperature=0)
+        stopped = m.generate_tokens(m.encode("The quick"), 16, temperature=0)
         assert stopped.tolist() == full[: cut + 1].tolist()
         assert isinstance(m.generate_text([{"role": "user", "content": "hi"}], 5, temperature=0), str)
 
@@ -163,10 +163,15 @@ def test_cli_generate_is_tokenizer_first(family_files) -> None:
     assert res.stdout.startswith("The quick café") and "mean depth 4.00" in res.stderr
     with Model(family_files["ouro"], max_seq_len=64, device="cpu") as m:
         assert res.stdout == "The quick café" + m.generate_text("The quick café", 6, temperature=0) + "\n"
-    res = _cli(path, "generate", "--prompt", "hi", "--chat", "--max-tokens", "4", "--exit-threshold", "0.5")
-    assert res.returncode == 0, res.stderr
-    res = _cli(str(family_files["huginn"]), "generate", "--prompt", "hi", "--max-tokens", "4",
+    res = _cli(str(family_files["huginn"]), "generate", "--prompt", "hi", "--max-tokens", "4", "--chat",
                "--exit-criterion", "kl", "--exit-tol", "0.01", "--loops", "6")  # fmt: skip
     assert res.returncode == 0 and "loops 6" in res.stderr, res.stderr
-    res = _cli(str(family_files["huginn"]), "generate", "--prompt", "hi", "--exit-threshold", "0.5")
-    assert res.returncode == 2 and "exit gate" in res.stderr
+
+
+def test_cli_text_flags_are_checked() -> None:
+    from tinyloop.cli.generate_cmd import build_parser
+
+    args = build_parser().parse_args(["--chat", "--exit-threshold", "0.5", "--exit-criterion", "argmax"])
+    assert args.chat and args.exit_threshold == 0.5 and args.exit_criterion == "argmax"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--exit-criterion", "nope"])

@@ -63,10 +63,13 @@ def test_newer_minor_is_readable_and_ignores_new_keys(copy_of) -> None:
 
 def test_unknown_metadata_keys(copy_of) -> None:
     path = copy_of("4")
-    edit_header(path, lambda d: d["__metadata__"].update({"x-origin": "test", "tokenizer": "later"}))
+    edit_header(path, lambda d: d["__metadata__"].update({"x-origin": "test"}))
     read_header(path)
     edit_header(path, lambda d: d["__metadata__"].update({"surprise": "1"}))
     refused(path, "surprise")
+    # `tokenizer` is defined (docs/format.md 2.3) and validated, no longer free-form.
+    edit_header(path, lambda d: (d["__metadata__"].pop("surprise"), d["__metadata__"].update({"tokenizer": "x"})))
+    refused(path, "tokenizer")
 
 
 def test_missing_required_metadata(copy_of) -> None:
