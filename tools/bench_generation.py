@@ -163,7 +163,7 @@ def main() -> None:
     ap.add_argument("--identity-prompts", type=int, default=50)
     ap.add_argument("--identity-tokens", type=int, default=32)
     ap.add_argument("--corpus", type=Path, default=CORPUS, help="folder with val.bin and train.bin")
-    ap.add_argument("--skip", default="", help="comma list of: speed, identity, mask")
+    ap.add_argument("--skip", default="", help="comma list of: speed, identity, poor, mask")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     skip = set(args.skip.split(","))
@@ -179,6 +179,11 @@ def main() -> None:
             report["speed"] = bench_speed(m, prompts[: args.speed_prompts], args.tokens)
         if "identity" not in skip:
             report["identity"] = check_identity(m, prompts, args.identity_tokens)
+    if "poor" not in skip:
+        # Drafts are poor on random weights: adaptive speculation must fall back to plain decoding.
+        rpath, _ = model_path("random")
+        with Model(rpath, max_seq_len=256, device="cpu") as m:
+            report["poor_drafts"] = bench_speed(m, val_prompts(args.speed_prompts, args.corpus), args.tokens)
     if "mask" not in skip:
         date = r"[0-9]{4}-[0-9]{2}-[0-9]{2}"
         schema = Grammar.from_json_schema(

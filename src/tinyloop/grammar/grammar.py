@@ -6,12 +6,13 @@ import json
 import re
 import threading
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads only when an index is built: CLI argument errors stay fast
+    import torch
 
-from tinyloop.grammar.index import TokenIndex
-from tinyloop.runtime.vocab import TokenVocab
+    from tinyloop.grammar.index import TokenIndex
+    from tinyloop.runtime.vocab import TokenVocab
 
 # Constructs Python's `re` accepts but a finite automaton cannot express (or the automaton library reads
 # differently); found by a scan so the error can name their position.
@@ -69,6 +70,8 @@ class Grammar:
 
     def index(self, vocab: TokenVocab, device: torch.device | str = "cpu") -> TokenIndex:
         """The automaton x vocabulary index (masks on `device`), built once per vocabulary and device."""
+        from tinyloop.grammar.index import TokenIndex
+
         key = (vocab.key, str(device))
         with self._lock:
             if key not in self._indexes:

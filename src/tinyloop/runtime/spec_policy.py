@@ -17,7 +17,7 @@ class DraftPolicy:
     The draft length grows by one after a fully accepted round and shrinks after a rejection. The
     per-token acceptance rate is tracked (decayed counts); when a layer-pass cost model says that even the
     best draft length would cost more per token than plain decoding, speculation pauses for a back-off
-    of plain steps (doubling up to 64 while it stays unprofitable) and then probes again.
+    of plain steps (8, doubling up to 128 while it stays unprofitable) and then probes again.
     """
 
     def __init__(self, cfg: ArchConfig, draft_loops: int, verify_loops: int, draft_ahead: int, adaptive: bool):
@@ -30,7 +30,7 @@ class DraftPolicy:
         self._accepted = 0.0
         self._rejected = 0.0
         self._plain_left = 0
-        self._backoff = 4
+        self._backoff = 8
 
     def next_k(self, remaining: int) -> int:
         if remaining <= 1:
@@ -53,9 +53,9 @@ class DraftPolicy:
         self.k = min(self.k + 1, self.k_max) if accepted == drafted else max(1, min(self.k - 1, accepted + 1))
         if self.best_cost_per_token() > self.plain_cost():
             self._plain_left = self._backoff
-            self._backoff = min(2 * self._backoff, 64)
+            self._backoff = min(2 * self._backoff, 128)
         else:
-            self._backoff = 4
+            self._backoff = 8
 
     def plain_cost(self) -> float:
         c = self.cfg
