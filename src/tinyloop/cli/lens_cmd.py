@@ -17,7 +17,7 @@ def build_parser() -> Parser:
 
 
 def _show(token: int) -> str:
-    special = {10: "\\n", 9: "\\t", 32: "␠"}
+    special = {10: "\\n", 9: "\\t", 32: "·"}
     if token in special:
         return special[token]
     return chr(token) if 32 < token < 127 else f"<{token}>"
