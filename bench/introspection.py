@@ -1,6 +1,6 @@
 """Issue-6 measurements on the built-in model (CPU): lens cost vs plain scoring, token-exit agreement.
 
-    PYTHONPATH=src python bench/introspection.py --corpus .carry/corpus --out runs/introspection.json
+PYTHONPATH=src python bench/introspection.py --corpus .carry/corpus --out runs/introspection.json
 """
 
 from __future__ import annotations
