@@ -83,3 +83,23 @@ def test_consistency_gate_and_stable_depth(model) -> None:
 def test_stable_depth_by_hand() -> None:
     argmax = torch.tensor([[1, 5, 2], [2, 5, 2], [2, 5, 3], [2, 5, 2]])
     assert stable_depth(argmax).tolist() == [2, 1, 4]
+
+
+def test_batches_equal_per_sequence_results(model) -> None:
+    batch = np.stack([TOKENS, TOKENS[::-1], (TOKENS + 7) % 256]).astype(np.int32)
+    lens = model.score_logit_lens(batch, loops=3)
+    traj = model.score_trajectory(batch, loops=3)
+    unc = model.score_with_uncertainty(batch, loops=3)
+    cons = model.score_with_consistency(batch, loops=3, window=2)
+    assert lens.shape == (3, 3, len(TOKENS), 256) and traj.shape == (3, 5, len(TOKENS), 64)
+    for b, row in enumerate(batch):
+        np.testing.assert_allclose(lens[b], model.score_logit_lens(row, loops=3), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(traj[b], model.score_trajectory(row, loops=3), rtol=1e-5, atol=1e-5)
+        single = model.score_with_uncertainty(row, loops=3)
+        np.testing.assert_allclose(unc.kl[b], single.kl, rtol=1e-3, atol=1e-6)
+        one = model.score_with_consistency(row, loops=3, window=2)
+        assert np.array_equal(cons.argmax[b], one.argmax) and np.array_equal(cons.stable_depth[b], one.stable_depth)
+    idx, val = model.score_logit_lens(batch.tolist(), loops=2, top_k=3, positions=[0])
+    assert idx.shape == val.shape == (3, 2, 1, 3)
+    with pytest.raises(ValueError, match="equal lengths"):
+        model.score_trajectory([[1, 2, 3], [4, 5]], loops=2)

@@ -51,18 +51,35 @@ class IntrospectionMixin:
     def _loops(self, loops: int | None) -> int:
         raise NotImplementedError
 
+    def _batch(self, tokens: Any) -> tuple[torch.Tensor, bool]:
+        """tokens as [B, T]: a 1-D input is one sequence (results without a batch axis); a 2-D input
+        [B, T] is B sequences of equal length (results with a leading batch axis)."""
+        arr = tokens.detach().cpu().numpy() if isinstance(tokens, torch.Tensor) else tokens
+        if isinstance(arr, (list, tuple)) and arr and isinstance(arr[0], (list, tuple, np.ndarray)):
+            arr = [np.asarray(row) for row in arr]
+            if len({row.shape for row in arr}) != 1:
+                raise ValueError("a batch of token sequences must have equal lengths (pad or split it)")
+            arr = np.stack(arr)
+        if isinstance(arr, np.ndarray) and arr.ndim == 2:
+            if arr.shape[0] == 0:
+                raise ValueError("a batch of token sequences must not be empty")
+            rows = [self._tokens(row, f"tokens[{i}]") for i, row in enumerate(arr)]
+            return torch.stack(rows), True
+        return self._tokens(arr)[None], False
+
     def score_logit_lens(
         self, tokens: Any, loops: int | None = None, positions: Any = None, top_k: int | None = None
     ) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
-        """float32 [L, T', V]: row i is the output if the loop stopped after iteration i+1.
+        """float32 [L, T', V]: row i is the output if the loop stopped after iteration i+1 ([B, L, T', V]
+        for a [B, T] batch).
 
         positions: optional indices to keep (T' of them); top_k: return (indices int32, values float32),
         each [L, T', k], instead of the full vocabulary.
         """
         self._check_open()
-        ids = self._tokens(tokens)
+        ids, batched = self._batch(tokens)
         n_loops = self._loops(loops)
-        pos = _positions(positions, int(ids.numel()))
+        pos = _positions(positions, int(ids.shape[1]))
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
             raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
         traj = trajectory(self._engine, ids, n_loops)
@@ -75,54 +92,69 @@ class IntrospectionMixin:
                 top = torch.topk(logits.float(), k, dim=-1)
                 rows.append(torch.stack((top.indices.float(), top.values)).cpu())
         if top_k is None:
-            return torch.stack(rows).numpy()
-        stacked = torch.stack(rows, dim=1)  # [2, L, T', k]
-        return stacked[0].to(torch.int32).numpy(), stacked[1].numpy()
+            lens = torch.stack(rows, dim=1)  # [B, L, T', V]
+            return _unbatch(lens, batched).numpy()
+        stacked = torch.stack(rows, dim=2)  # [2, B, L, T', k]
+        return _unbatch(stacked[0], batched).to(torch.int32).numpy(), _unbatch(stacked[1], batched).numpy()
 
     def score_trajectory(self, tokens: Any, loops: int | None = None) -> np.ndarray:
-        """float32 [2 + L, T, d]: embedding output, prelude output, then the state after each iteration."""
+        """float32 [2 + L, T, d]: embedding output, prelude output, then the state after each iteration
+        ([B, 2 + L, T, d] for a [B, T] batch)."""
         self._check_open()
-        traj = trajectory(self._engine, self._tokens(tokens), self._loops(loops))
-        return torch.stack(traj.states).float().cpu().numpy()
+        ids, batched = self._batch(tokens)
+        traj = trajectory(self._engine, ids, self._loops(loops))
+        return _unbatch(torch.stack(traj.states, dim=1), batched).float().cpu().numpy()
 
     def score_with_uncertainty(self, tokens: Any, loops: int | None = None) -> UncertaintyScores:
-        """Final logits plus the KL divergence between consecutive depths at every position."""
+        """Final logits plus the KL divergence between consecutive depths at every position (each field
+        gains a leading batch axis for a [B, T] batch)."""
         self._check_open()
-        traj = trajectory(self._engine, self._tokens(tokens), self._loops(loops))
+        ids, batched = self._batch(tokens)
+        traj = trajectory(self._engine, ids, self._loops(loops))
         kls = []
         previous = None
         for logits in depth_logits(self._engine, traj):
             if previous is not None:
                 kls.append(kl_divergence(logits, previous))
             previous = logits
-        T = traj.logits.shape[0]
-        kl = torch.stack(kls) if kls else torch.zeros(0, T, dtype=torch.float64)
+        B, T = ids.shape
+        kl = torch.stack(kls, dim=1) if kls else torch.zeros(B, 0, T, dtype=torch.float64)  # [B, L-1, T]
         logp = torch.log_softmax(traj.logits.double(), dim=-1)
         entropy = -(logp.exp() * logp).sum(-1)
+
+        def out(t: torch.Tensor) -> np.ndarray:
+            return _unbatch(t, batched).float().cpu().numpy()
+
         return UncertaintyScores(
-            logits=traj.logits.float().cpu().numpy(),
-            kl=kl.float().cpu().numpy(),
-            kl_final=(kl[-1] if kls else torch.zeros(T)).float().cpu().numpy(),
-            kl_max=(kl.max(0).values if kls else torch.zeros(T)).float().cpu().numpy(),
-            entropy=entropy.float().cpu().numpy(),
+            logits=out(traj.logits),
+            kl=out(kl),
+            kl_final=out(kl[:, -1] if kls else torch.zeros(B, T)),
+            kl_max=out(kl.max(1).values if kls else torch.zeros(B, T)),
+            entropy=out(entropy),
         )
 
     def score_with_consistency(self, tokens: Any, loops: int | None = None, window: int = 3) -> ConsistencyScores:
-        """Final logits plus, per position, whether the argmax agreed over the last `window` depths."""
+        """Final logits plus, per position, whether the argmax agreed over the last `window` depths (each
+        field gains a leading batch axis for a [B, T] batch)."""
         self._check_open()
         n_loops = self._loops(loops)
         if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= n_loops:
             raise ValueError(f"window must be an integer in [1, loops={n_loops}], got {window!r}")
-        traj = trajectory(self._engine, self._tokens(tokens), n_loops)
-        argmax = torch.stack([lg.argmax(-1) for lg in depth_logits(self._engine, traj)])
+        ids, batched = self._batch(tokens)
+        traj = trajectory(self._engine, ids, n_loops)
+        argmax = torch.stack([lg.argmax(-1) for lg in depth_logits(self._engine, traj)])  # [L, B, T]
         consistent = (argmax[-window:] == argmax[-1:]).all(0)
         return ConsistencyScores(
-            logits=traj.logits.float().cpu().numpy(),
-            argmax=argmax.to(torch.int32).cpu().numpy(),
-            consistent=consistent.cpu().numpy(),
-            stable_depth=stable_depth(argmax).to(torch.int32).cpu().numpy(),
+            logits=_unbatch(traj.logits, batched).float().cpu().numpy(),
+            argmax=_unbatch(argmax.transpose(0, 1), batched).to(torch.int32).cpu().numpy(),
+            consistent=_unbatch(consistent, batched).cpu().numpy(),
+            stable_depth=_unbatch(stable_depth(argmax), batched).to(torch.int32).cpu().numpy(),
             window=window,
         )
+
+
+def _unbatch(t: torch.Tensor, batched: bool) -> torch.Tensor:
+    return t if batched else t[0]
 
 
 def _positions(positions: Any, length: int) -> torch.Tensor | None:

@@ -17,7 +17,7 @@ from tinyloop.runtime.engine import Engine
 
 @dataclass
 class Trajectory:
-    """logits: [T, V] at full depth; states: embedding, prelude, then one [T, d] per loop."""
+    """logits: [B, T, V] at full depth; states: embedding, prelude, then one [B, T, d] per loop."""
 
     logits: torch.Tensor
     states: list[torch.Tensor]
@@ -25,24 +25,25 @@ class Trajectory:
 
 @torch.inference_mode()
 def trajectory(engine: Engine, tokens: torch.Tensor, loops: int) -> Trajectory:
-    out = engine.step(tokens.view(1, -1), None, loops, collect_states=True)
+    """One forward of tokens [B, T] (equal-length sequences from position 0), keeping every loop state."""
+    out = engine.step(tokens, None, loops, collect_states=True)
     assert out.logits is not None and out.states is not None
-    return Trajectory(out.logits[0], [s[0] for s in out.states])
+    return Trajectory(out.logits, out.states)
 
 
 @torch.inference_mode()
 def depth_logits(engine: Engine, traj: Trajectory, positions: torch.Tensor | None = None) -> Iterator[torch.Tensor]:
-    """For each depth 1..L, the float32 logits [T', V] the model gives if the loop stops there."""
+    """For each depth 1..L, the float32 logits [B, T', V] the model gives if the loop stops there."""
     loops = len(traj.states) - 2
-    T = traj.logits.shape[0]
-    ctx = engine.context(torch.arange(T, device=engine.device)[None], None, None)
+    B, T = traj.logits.shape[:2]
+    ctx = engine.context(torch.arange(T, device=engine.device)[None].expand(B, T), None, None)
     for depth in range(1, loops + 1):
         if depth == loops:
             logits = traj.logits
         else:
-            state = traj.states[1 + depth][None]
-            logits = head(engine.weights, engine.cfg, exit_hidden(engine.weights, engine.cfg, state, ctx))[0]
-        yield logits if positions is None else logits[positions]
+            state = traj.states[1 + depth]
+            logits = head(engine.weights, engine.cfg, exit_hidden(engine.weights, engine.cfg, state, ctx))
+        yield logits if positions is None else logits[:, positions]
 
 
 def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tensor:
@@ -53,7 +54,7 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tenso
 
 
 def stable_depth(argmax: torch.Tensor) -> torch.Tensor:
-    """argmax [L, T] -> [T]: the smallest depth (1-based) from which the argmax never changes again."""
+    """argmax [L, ...] -> [...]: the smallest depth (1-based) from which the argmax never changes again."""
     loops = argmax.shape[0]
     same_as_final = argmax == argmax[-1:]
     # Scan from the deepest depth down: a depth counts only if every deeper depth agrees too.
