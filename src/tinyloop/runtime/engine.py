@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from tinyloop.cache.base import StepCache
@@ -10,6 +13,23 @@ from tinyloop.config import ArchConfig
 from tinyloop.model.layers import KVStore, StepContext, rope_tables
 from tinyloop.model.looped import ForwardOutput, forward, state_noise_table
 from tinyloop.model.weights import ModelWeights
+
+# Steps of at most this many rows run on one CPU thread: single-row products are bound by memory reads, a
+# second thread does not speed them up, and a busy machine makes the thread pool wait on every op.
+SINGLE_THREAD_ROWS = 8
+
+
+@contextmanager
+def cpu_threads_for(device: torch.device, rows: int) -> Iterator[None]:
+    if device.type != "cpu" or rows > SINGLE_THREAD_ROWS or torch.get_num_threads() == 1:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 class Engine:
@@ -75,11 +95,12 @@ class Engine:
         if begin_step is not None:  # the store lays out its own span (sliding-window ring)
             ctx.mask = begin_step(positions, start, valid_cpu)
         last_index = (valid_cpu - 1).to(self.device) if last_only else None
-        out = forward(
-            self.weights, self.cfg, tokens.to(self.device), ctx, loops,
-            dtype=self.dtype, noise=self.noise, last_index=last_index, collect_states=collect_states,
-            resume=resume, start_loop=start_loop,
-        )  # fmt: skip
+        with cpu_threads_for(self.device, B * T):
+            out = forward(
+                self.weights, self.cfg, tokens.to(self.device), ctx, loops,
+                dtype=self.dtype, noise=self.noise, last_index=last_index, collect_states=collect_states,
+                resume=resume, start_loop=start_loop,
+            )  # fmt: skip
         if cache is not None:
             cache.lengths = torch.maximum(cache.lengths, start + valid_cpu)
         return out
