@@ -42,14 +42,15 @@ def prepare_weights(flat: Mapping[str, Weight], device: torch.device, dtype: tor
     out: dict[str, Weight] = {}
     for name, w in flat.items():
         if isinstance(w, (Int4Weight, Int8Weight)):
-            out[name] = w.to(device).dequantize(dtype)
+            dense = w.to(device).dequantize(dtype)
         elif w.dim() == 1 or name.startswith("exit_gate."):
-            out[name] = w.to(device=device, dtype=torch.float32)
+            dense = w.to(device=device, dtype=torch.float32)
         else:
-            out[name] = w.to(device=device, dtype=dtype)
-        if device.type == "cpu" and name != "embed.weight" and out[name].dim() == 2:
+            dense = w.to(device=device, dtype=dtype)
+        if device.type == "cpu" and name != "embed.weight" and dense.dim() == 2:
             # Same [out, in] tensor, stored input-major: CPU BLAS streams it faster (~1.3x for one row).
-            out[name] = out[name].t().contiguous().t()
+            dense = dense.t().contiguous().t()
+        out[name] = dense
     return out
 
 
