@@ -245,14 +245,19 @@ class _Parser:
             entries[name] = TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
         return entries
 
-    def parse_quantization(self, text: str, cfg: ArchConfig, lenient: bool) -> QuantInfo:
-        what = "metadata 'quantization'"
+    def json_object(self, what: str, text: str) -> dict[str, Any]:
+        """A metadata value that must be a JSON object."""
         try:
             obj = _loads(text)
         except (ValueError, RecursionError) as exc:
             self.fail(what, "a JSON object", f"invalid JSON ({_clip(str(exc))})")
         if not isinstance(obj, dict):
             self.fail(what, "a JSON object", _type_name(obj))
+        return obj
+
+    def parse_quantization(self, text: str, cfg: ArchConfig, lenient: bool) -> QuantInfo:
+        what = "metadata 'quantization'"
+        obj = self.json_object(what, text)
         missing = [k for k in _QUANT_KEYS if k not in obj]
         extra = sorted(k for k in obj if k not in _QUANT_KEYS)
         if missing or (extra and not lenient):
@@ -347,12 +352,7 @@ class _Parser:
 
     def parse_checksums(self, text: str, entries: dict[str, TensorEntry]) -> dict[str, str]:
         what = "metadata 'checksums'"
-        try:
-            obj = _loads(text)
-        except (ValueError, RecursionError) as exc:
-            self.fail(what, "a JSON object", f"invalid JSON ({_clip(str(exc))})")
-        if not isinstance(obj, dict):
-            self.fail(what, "a JSON object", _type_name(obj))
+        obj = self.json_object(what, text)
         missing = [n for n in entries if n not in obj]
         extra = sorted(n for n in obj if n not in entries)
         if missing or extra:
