@@ -13,6 +13,7 @@ from tinyloop.config import ArchConfig
 from tinyloop.model.layers import KVStore, StepContext, rope_tables
 from tinyloop.model.looped import ForwardOutput, forward, state_noise_table
 from tinyloop.model.weights import ModelWeights
+from tinyloop.runtime.decode_path import Decoder, select_decoder
 
 # Steps of at most this many rows run on one CPU thread: single-row products are bound by memory reads, a
 # second thread does not speed them up, and a busy machine makes the thread pool wait on every op.
@@ -42,6 +43,7 @@ class Engine:
         self.dtype = dtype
         self.cos, self.sin = rope_tables(cfg, cfg.max_position, device)
         self.noise = state_noise_table(cfg, device)
+        self.decoder: Decoder | None = select_decoder(self)
 
     def new_cache(self, batch: int, max_seq: int, loops: int) -> KVCache:
         return KVCache(self.cfg, batch, max_seq, loops, self.device, self.dtype)
@@ -88,6 +90,18 @@ class Engine:
                 raise ValueError(f"sequence of {end} tokens exceeds the cache's max_seq_len {cache.max_seq}")
         if end > self.cfg.max_position:
             raise ValueError(f"position {end} exceeds the model's maximum position {self.cfg.max_position}")
+        plain_decode = resume is None and not collect_states and isinstance(cache, KVCache)
+        if (
+            plain_decode
+            and self.decoder is not None
+            and cache.k.dtype == self.dtype
+            and bool((start == cache.lengths).all())
+        ):  # type: ignore[union-attr]
+            assert isinstance(cache, KVCache)
+            handled = self.decoder.decode(tokens, cache, loops, valid, last_only)
+            if handled is not None:
+                cache.lengths = torch.maximum(cache.lengths, start + valid_cpu)
+                return handled
         positions = (start[:, None] + torch.arange(T)[None, :]).to(self.device)
         fresh = cache is None or int(start.max()) == 0
         ctx = self.context(positions, cache, None if fresh else end)
