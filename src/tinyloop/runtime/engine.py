@@ -90,18 +90,12 @@ class Engine:
                 raise ValueError(f"sequence of {end} tokens exceeds the cache's max_seq_len {cache.max_seq}")
         if end > self.cfg.max_position:
             raise ValueError(f"position {end} exceeds the model's maximum position {self.cfg.max_position}")
-        plain_decode = resume is None and not collect_states and isinstance(cache, KVCache)
-        if (
-            plain_decode
-            and self.decoder is not None
-            and cache.k.dtype == self.dtype
-            and bool((start == cache.lengths).all())
-        ):  # type: ignore[union-attr]
-            assert isinstance(cache, KVCache)
-            handled = self.decoder.decode(tokens, cache, loops, valid, last_only)
-            if handled is not None:
-                cache.lengths = torch.maximum(cache.lengths, start + valid_cpu)
-                return handled
+        if self.decoder is not None and resume is None and not collect_states and isinstance(cache, KVCache):
+            if cache.k.dtype == self.dtype and bool((start == cache.lengths).all()):
+                handled = self.decoder.decode(tokens, cache, loops, valid, last_only)
+                if handled is not None:
+                    cache.lengths = torch.maximum(cache.lengths, start + valid_cpu)
+                    return handled
         positions = (start[:, None] + torch.arange(T)[None, :]).to(self.device)
         fresh = cache is None or int(start.max()) == 0
         ctx = self.context(positions, cache, None if fresh else end)
