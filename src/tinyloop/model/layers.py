@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyloop.config import ArchConfig
+from tinyloop.kernels.attention_backend import sdpa
 from tinyloop.kernels.dispatch import linear
 from tinyloop.model.weights import LayerWeights, Norm
 
@@ -92,11 +93,11 @@ def attention(x: torch.Tensor, w: LayerWeights, cfg: ArchConfig, ctx: StepContex
     else:
         k_all, v_all = k, v
     if ctx.mask is None:
-        out = F.scaled_dot_product_attention(q, k_all, v_all, is_causal=T > 1, enable_gqa=gqa)
+        out = sdpa(q, k_all, v_all, causal=T > 1, gqa=gqa)
     elif q.device.type == "cpu":
         out = masked_attention(q, k_all, v_all, ctx.mask)
     else:
-        out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=ctx.mask, enable_gqa=gqa)
+        out = sdpa(q, k_all, v_all, mask=ctx.mask, gqa=gqa)
     return linear(out.transpose(1, 2).reshape(B, T, cfg.q_dim), w.out)
 
 

@@ -1,0 +1,493 @@
+"""Everything issue 4 (and the GPU rows of issues 7 and 9) measure, in one device call.
+
+    PYTHONPATH=src python3 bench/gpu_suite.py --out $OUT/gpu_suite.json [--only SECTION ...]
+
+Sections: env (versions, copy bandwidth), correctness (GPU vs CPU float32 for the built-in model and
+seed-407m: prefill, graph-captured decode, fp16 body, attention switches, greedy agreement), sweep
+(INT4 matvec tile sizes per seed-407m shape, tensor-core tiles vs cuBLAS per row count; the winners are
+applied to the later sections), seed407m (decode 128 after 128, prefill 128/1024, decode vs loops,
+fp16 body, speculative), ouro (Ouro-1.4B shape, INT4), stochastic (issue 9 kernels, when present).
+Every section saves the JSON so far; a failing section records its traceback and the rest still run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import tinyloop
+from tinyloop.kernels import cuda_ops
+from tinyloop.quant import Int4Weight, quantize_int4
+
+RESULTS: dict[str, Any] = {"errors": {}}
+OUT = Path("gpu_suite.json")
+SEED_PATH = "/tmp/seed-407m.tinyloop"
+OURO_PATH = "/tmp/ouro-1.4b-shape.tinyloop"
+
+
+def save() -> None:
+    OUT.write_text(json.dumps(RESULTS, indent=1, default=float))
+
+
+def section(name: str, fn: Callable[[], Any]) -> None:
+    t = time.perf_counter()
+    print(f"=== {name}", flush=True)
+    try:
+        RESULTS[name] = fn()
+    except Exception:
+        RESULTS["errors"][name] = traceback.format_exc()
+        print(RESULTS["errors"][name], flush=True)
+    RESULTS.setdefault("section_s", {})[name] = time.perf_counter() - t
+    print(f"=== {name} done in {time.perf_counter() - t:.1f} s: {json.dumps(RESULTS.get(name), default=float)[:3000]}")
+    save()
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def rel(a: Any, b: Any) -> float:
+    a, b = torch.as_tensor(np.asarray(a), dtype=torch.float64), torch.as_tensor(np.asarray(b), dtype=torch.float64)
+    return float((a - b).norm() / b.norm())
+
+
+def with_env(env: dict[str, str], fn: Callable[[], Any]) -> Any:
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ---- env ------------------------------------------------------------------------------------------
+def env_section() -> dict[str, Any]:
+    import triton
+
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    t = statistics.median(timed(lambda: y.copy_(x), 10))
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "sm_count": props.multi_processor_count,
+        "l2_bytes": getattr(props, "L2_cache_size", None),
+        "copy_bandwidth_TBps": 2 * x.numel() / t / 1e12,
+    }
+
+
+# ---- correctness ----------------------------------------------------------------------------------
+def teacher_forced_decode(model: Any, ids: np.ndarray, prompt: int, steps: int, loops: int) -> np.ndarray:
+    eng = model._engine
+    cache = eng.new_cache(1, prompt + steps + 1, loops)
+    eng.step(torch.as_tensor(ids[None, :prompt], dtype=torch.long), cache, loops, last_only=True)
+    out = []
+    for t in range(prompt, prompt + steps):
+        step = eng.step(torch.as_tensor([[int(ids[t])]]), cache, loops, last_only=True)
+        out.append(step.logits[0, -1].float().cpu().numpy())
+    return np.stack(out)
+
+
+def compare_model(path: str, ids: np.ndarray, loops: int, greedy_prompts: list[np.ndarray], **gpu_kw: Any) -> dict:
+    cpu = tinyloop.Model(path, max_seq_len=512, device="cpu")
+    gpu = tinyloop.Model(path, max_seq_len=512, device="cuda", **gpu_kw)
+    res: dict[str, Any] = {}
+    res["prefill_rel_frob"] = rel(gpu.score(ids, loops=loops), cpu.score(ids, loops=loops))
+    res["short_prefill_rel_frob"] = rel(gpu.score(ids[:12], loops=loops), cpu.score(ids[:12], loops=loops))
+    c = teacher_forced_decode(cpu, ids, 64, 24, loops)
+    g = teacher_forced_decode(gpu, ids, 64, 24, loops)
+    res["graph_decode_rel_frob"] = rel(g, c)
+    res["graph_decode_argmax_agree"] = float((g.argmax(-1) == c.argmax(-1)).mean())
+    agree = []
+    for p in greedy_prompts:
+        a = cpu.generate(p, 32, loops=loops, temperature=0.0)
+        b = gpu.generate(p, 32, loops=loops, temperature=0.0)
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        agree.append(n)
+    res["greedy_first_tokens_agreeing"] = agree
+    res["vram_usage_mb"] = gpu.vram_usage_mb()
+    res["torch_memory_allocated_mb"] = torch.cuda.memory_allocated() / 2**20
+    gpu.close()
+    cpu.close()
+    torch.cuda.empty_cache()
+    return res
+
+
+def correctness_section() -> dict[str, Any]:
+    import inspect
+    import json as json_mod
+
+    text = inspect.getsource(json_mod.decoder).encode()[:400]
+    ids = np.frombuffer(text, dtype=np.uint8).astype(np.int32)
+    starts = ("def fibonacci(n):", "import os\nimport sys\n\n\ndef main(", "class Stack:\n    def __init__(self")
+    prompts = [np.frombuffer(p.encode(), dtype=np.uint8).astype(np.int32) for p in starts]
+    res: dict[str, Any] = {}
+    res["tiny_default_dtype"] = compare_model("tiny", ids, 8, prompts)
+    res["tiny_bf16"] = compare_model("tiny", ids, 8, prompts, dtype=torch.bfloat16)
+    res["tiny_fp16_body"] = with_env(
+        {"TINYLOOP_EXPERIMENTAL_FP16_BODY": "1"}, lambda: compare_model("tiny", ids, 8, prompts)
+    )
+    res["tiny_fp16_body_no_cublas"] = with_env(
+        {"TINYLOOP_EXPERIMENTAL_FP16_BODY": "1", "TINYLOOP_DISABLE_CUBLAS_FP16": "1"},
+        lambda: compare_model("tiny", ids, 8, prompts[:1]),
+    )
+    res["tiny_no_flash"] = with_env(
+        {"TINYLOOP_DISABLE_FLASH2_PREFILL": "1"}, lambda: compare_model("tiny", ids, 8, prompts[:1])
+    )
+    res["tiny_cudnn"] = with_env({"TINYLOOP_USE_CUDNN_SDPA": "1"}, lambda: compare_model("tiny", ids, 8, prompts[:1]))
+    wait_for_models(SEED_PATH)
+    rng = np.random.default_rng(0)
+    sid = rng.integers(0, 32000, 160).astype(np.int32)
+    res["seed407m_bf16"] = compare_model(SEED_PATH, sid, 8, [sid[:16]])
+    res["seed407m_f32"] = compare_model(SEED_PATH, sid, 8, [sid[:16]], dtype=torch.float32)
+    return res
+
+
+# ---- sweep ----------------------------------------------------------------------------------------
+def graph_time(fn: Callable[[], Any], calls: int, repeat: int = 20) -> float:
+    """Seconds per call of `fn` when `calls` of them run back to back inside one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    t = statistics.median(timed(g.replay, repeat))
+    return t / calls
+
+
+SEED_SHAPES = {  # name: (N, K, act); swiglu reads 2N rows
+    "qkv": (6144, 2048, 0), "out": (2048, 2048, 0), "gate_up": (5632, 2048, 1), "down": (2048, 5632, 0),
+    "head": (32000, 2048, 0),
+}  # fmt: skip
+MATVEC_CANDIDATES = {  # rows -> (BLOCK_N, BLOCK_K, num_warps)
+    1: [(4, 1024, 4), (4, 1024, 8), (8, 1024, 8), (4, 2048, 8), (2, 1024, 4), (2, 2048, 4), (8, 512, 4),
+        (1, 2048, 4), (2, 1024, 2)],
+    4: [(1, 512, 4), (2, 512, 4), (4, 512, 4), (2, 1024, 4)],
+    8: [(1, 512, 4), (2, 512, 4), (1, 1024, 4), (2, 1024, 8)],
+}  # fmt: skip
+
+
+MATMUL_SWEEP = False  # tensor-core tiles vs cuBLAS: measured once (docs/BENCHMARKS.md), cuBLAS won
+
+
+def quick_correctness_section() -> dict[str, Any]:
+    """The kernels' agreement with the CPU after a kernel change: built-in model, seed-407m in float32."""
+    wait_for_models(SEED_PATH)
+    prompts = [np.frombuffer(p.encode(), dtype=np.uint8).astype(np.int32) for p in ("def f(", "class Stack:\n  ")]
+    ids = np.frombuffer(b"import os\n" * 30, dtype=np.uint8).astype(np.int32)
+    sid = np.random.default_rng(0).integers(0, 32000, 120).astype(np.int32)
+    kernels = {}
+    gen = torch.Generator().manual_seed(0)
+    for rows in (1, 2, 5, 8, 12):
+        raw = torch.randn(2 * 1536, 2048, generator=gen) / 45
+        q = quantize_int4(raw, 64).to("cuda")
+        x = torch.randn(rows, 2048, generator=gen)
+        nw = 1 + 0.1 * torch.randn(2048, generator=gen)
+        got = cuda_ops.fused_linear(x.cuda(), q, norm_weight=nw.cuda(), eps=1e-6, act=cuda_ops.ACT_SWIGLU)
+        xn = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
+        g, u = (xn @ q.dequantize().cpu().double().T).chunk(2, dim=-1)
+        kernels[f"rows={rows} f32 rel_frob"] = rel(got.cpu(), torch.nn.functional.silu(g) * u)
+    return {
+        "int4_kernels_vs_float64": kernels,
+        "tiny_default_dtype": compare_model("tiny", ids, 8, prompts),
+        "seed407m_f32": compare_model(SEED_PATH, sid, 8, [sid[:16]], dtype=torch.float32),
+    }
+
+
+def sweep_section() -> dict[str, Any]:
+    res: dict[str, Any] = {"matvec": {}, "matmul": {}}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    best: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+    for name, (n, k, act) in SEED_SHAPES.items():
+        rows_w = 2 * n if act == 1 else n
+        copies = max(2, min(24, int(600e6 // (rows_w * k // 2))))  # several times the L2: stream from DRAM
+        ws = [Int4Weight(torch.randint(0, 256, (rows_w, k // 2), dtype=torch.uint8, device="cuda", generator=gen),
+                         (torch.rand(rows_w, k // 64, device="cuda", generator=gen) * 0.01).half(),
+                         (torch.rand(rows_w, k // 64, device="cuda", generator=gen) * -0.05).half(), 64)
+              for _ in range(copies)]  # fmt: skip
+        nbytes = ws[0].nbytes
+        for rows in (1, 4, 8):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            table = {}
+            for cfg in MATVEC_CANDIDATES[rows]:
+                cuda_ops.MATVEC_CONFIGS[(n, k, rows)] = cfg
+                it = iter(range(10**9))
+
+                def call(x: Any = x, ws: Any = ws, it: Any = it, copies: int = copies, act: int = act) -> None:
+                    cuda_ops.fused_linear(x, ws[next(it) % copies], act=act)
+
+                try:
+                    t = graph_time(call, copies * 2)
+                    table[str(cfg)] = {"us": t * 1e6, "GBps": nbytes / t / 1e9}
+                except Exception as exc:  # a tile the compiler refuses
+                    table[str(cfg)] = {"error": str(exc)[:200]}
+            ok = {c: v for c, v in table.items() if "us" in v}
+            win = min(ok, key=lambda c: ok[c]["us"])
+            best[(n, k, rows)] = tuple(int(v) for v in win.strip("()").split(","))  # type: ignore[assignment]
+            cuda_ops.MATVEC_CONFIGS[(n, k, rows)] = best[(n, k, rows)]
+            res["matvec"][f"{name} rows={rows}"] = {"best": win, **ok[win], "all": table}
+            print(name, rows, win, ok[win], flush=True)
+        # Tensor-core tiles vs dequantize + cuBLAS for prefill-sized row counts.
+        for rows in (16, 128, 1024) if name in ("qkv", "gate_up") and MATMUL_SWEEP else ():
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            entry: dict[str, Any] = {}
+            flops = 2 * rows * n * k * (2 if act else 1)
+            for mcfg in [None, (64, 128, 64, 8, 3), (128, 128, 64, 8, 3), (16, 64, 128, 4, 4)]:
+                cuda_ops.MATMUL_CONFIG = mcfg
+                old = cuda_ops.DOT_MAX_ROWS
+                cuda_ops.DOT_MAX_ROWS = 10**9
+                try:
+                    t = graph_time(lambda x=x, w=ws[0], act=act: cuda_ops.fused_linear(x, w, act=act), 4, repeat=10)
+                    entry[f"triton {mcfg}"] = {"us": t * 1e6, "TFLOPs": flops / t / 1e12}
+                except Exception as exc:
+                    entry[f"triton {mcfg}"] = {"error": str(exc)[:200]}
+                finally:
+                    cuda_ops.DOT_MAX_ROWS = old
+                    cuda_ops.MATMUL_CONFIG = None
+            cuda_ops.DOT_MAX_ROWS = 0
+            try:
+                t = graph_time(lambda x=x, w=ws[0], act=act: cuda_ops.fused_linear(x, w, act=act), 4, repeat=10)
+                entry["dequant+cublas"] = {"us": t * 1e6, "TFLOPs": flops / t / 1e12}
+            finally:
+                cuda_ops.DOT_MAX_ROWS = old
+            res["matmul"][f"{name} rows={rows}"] = entry
+            print(name, rows, {k_: round(v.get("us", -1), 1) for k_, v in entry.items()}, flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    res["chosen_matvec"] = {str(k): v for k, v in best.items()}
+    return res
+
+
+# ---- seed-407m and Ouro benchmarks ------------------------------------------------------------------
+def make_models() -> dict[str, subprocess.Popen]:
+    procs = {}
+    for preset, path in (("seed-407m", SEED_PATH), ("ouro-1.4b-shape", OURO_PATH)):
+        if not Path(path).exists():
+            procs[path] = (subprocess.Popen(
+                [sys.executable, "-m", "tinyloop.cli.convert", "--random", "--preset", preset, "-o", path,
+                 "--bits", "4"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            ))  # fmt: skip
+    return procs
+
+
+_PROCS: dict[str, subprocess.Popen] = {}
+
+
+def wait_for_models(*paths: str) -> None:
+    for path in paths or list(_PROCS):
+        p = _PROCS.pop(path, None)
+        if p is None:
+            continue
+        _, err = p.communicate()
+        if p.returncode:
+            raise RuntimeError(f"random model conversion failed: {err.decode()[-2000:]}")
+
+
+def generation_numbers(path: str, loops: int, prompt_len: int = 128, new: int = 128, repeat: int = 5) -> dict:
+    res: dict[str, Any] = {}
+    rng = np.random.default_rng(1)
+    m = tinyloop.Model(path, max_seq_len=1024, device="cuda")
+    vocab = m.config["vocab_size"]
+    prompt = rng.integers(0, vocab, prompt_len).astype(np.int32)
+    for _ in range(2):
+        m.generate(prompt, new, loops=loops, temperature=0.0)  # compiles, captures the decode graph
+    totals, decodes, prefills = [], [], []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        m.generate(prompt, new, loops=loops, temperature=0.0)
+        totals.append(time.perf_counter() - t)
+        st = m.last_stats
+        decodes.append(st.decode_s / max(st.generated_tokens - 1, 1) * new)
+        prefills.append(st.prefill_s)
+    res["generate_total_ms"] = 1e3 * statistics.median(totals)
+    res["decode_128_tokens_ms"] = 1e3 * statistics.median(decodes)
+    res["decode_tokens_per_s"] = new / statistics.median(decodes)
+    res["prefill_in_generate_ms"] = 1e3 * statistics.median(prefills)
+    # The decode step alone, no sampling sync between tokens (what the GPU is busy for).
+    eng = m._engine
+    cache = eng.new_cache(1, prompt_len + new + 8, loops)
+    eng.step(torch.as_tensor(prompt[None], dtype=torch.long), cache, loops, last_only=True)
+    tok = torch.tensor([[5]])
+
+    def raw() -> None:
+        cache.truncate(prompt_len)
+        for _ in range(new):
+            eng.step(tok, cache, loops, last_only=True)
+
+    raw()
+    res["raw_decode_128_ms"] = 1e3 * statistics.median(timed(raw, 5))
+    for n in (128, 1024):
+        ids = rng.integers(0, vocab, n).astype(np.int32)
+        for _ in range(2):
+            m.score_last(ids, loops=loops)
+        res[f"prefill_{n}_ms"] = 1e3 * statistics.median(timed(lambda ids=ids: m.score_last(ids, loops=loops), 10))
+    res["vram_usage_mb"] = m.vram_usage_mb()
+    res["weights_mb"] = (
+        sum(w.nbytes if isinstance(w, Int4Weight) else w.numel() * w.element_size() for w in _iter_weights(eng.weights))
+        / 2**20
+    )
+    res["body_mb"] = sum(
+        w.nbytes if isinstance(w, Int4Weight) else w.numel() * w.element_size()
+        for lw in eng.weights.body for w in _iter_weights(lw)
+    ) / 2**20  # fmt: skip
+    m.close()
+    torch.cuda.empty_cache()
+    return res
+
+
+def _iter_weights(obj: Any) -> list[Any]:
+    from dataclasses import fields, is_dataclass
+
+    seen: dict[int, Any] = {}
+
+    def visit(o: Any) -> None:
+        if isinstance(o, (torch.Tensor, Int4Weight)):
+            seen[id(o)] = o
+        elif isinstance(o, (tuple, list)):
+            for v in o:
+                visit(v)
+        elif is_dataclass(o):
+            for f in fields(o):
+                visit(getattr(o, f.name))
+
+    visit(obj)
+    return list(seen.values())
+
+
+def loops_curve(path: str, loops_list: tuple[int, ...]) -> dict[str, float]:
+    m = tinyloop.Model(path, max_seq_len=256, device="cuda")
+    prompt = np.random.default_rng(2).integers(0, m.config["vocab_size"], 64).astype(np.int32)
+    out = {}
+    for L in loops_list:
+        m.generate(prompt, 16, loops=L, temperature=0.0)
+        rates = []
+        for _ in range(3):
+            m.generate(prompt, 64, loops=L, temperature=0.0)
+            rates.append(m.last_stats.decode_tokens_per_s)
+        out[str(L)] = statistics.median(rates)
+    m.close()
+    torch.cuda.empty_cache()
+    return out
+
+
+def speculative_numbers(path: str, pairs: list[tuple[int, int]], new: int = 128) -> dict[str, Any]:
+    m = tinyloop.Model(path, max_seq_len=512, device="cuda")
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, m.config["vocab_size"], 64).astype(np.int32)
+    if m.config["vocab_size"] == 256:  # the built-in byte model: held-out-like code, where drafts are good
+        prompt = np.frombuffer(b"import os\n\n\ndef read_lines(path):\n    with open(path) as f:\n", np.uint8)
+        prompt = prompt.astype(np.int32)
+    out: dict[str, Any] = {}
+    for d, v in pairs:
+        plain = m.generate(prompt, new, loops=v, temperature=0.0)
+        tp = statistics.median(timed(lambda v=v: m.generate(prompt, new, loops=v, temperature=0.0), 3))
+        spec = m.generate_speculative(prompt, new, draft_loops=d, verify_loops=v, draft_ahead=4, temperature=0.0)
+        ts = statistics.median(timed(
+            lambda d=d, v=v: m.generate_speculative(prompt, new, draft_loops=d, verify_loops=v, temperature=0.0), 3
+        ))  # fmt: skip
+        out[f"{d},{v}"] = {
+            "identical_to_plain": bool(np.array_equal(np.asarray(spec.tokens), np.asarray(plain))),
+            "acceptance_rate": getattr(spec, "acceptance_rate", None),
+            "tokens_per_verify": getattr(spec, "tokens_per_verify", None),
+            "plain_tokens_per_s": new / tp,
+            "speculative_tokens_per_s": new / ts,
+        }
+    m.close()
+    torch.cuda.empty_cache()
+    return out
+
+
+def seed_section() -> dict[str, Any]:
+    wait_for_models(SEED_PATH)
+    res: dict[str, Any] = {"int4": generation_numbers(SEED_PATH, 8)}
+    print("int4", res["int4"], flush=True)
+    res["fp16_body"] = with_env({"TINYLOOP_EXPERIMENTAL_FP16_BODY": "1"}, lambda: generation_numbers(SEED_PATH, 8))
+    print("fp16 body", res["fp16_body"], flush=True)
+    res["decode_tokens_per_s_by_loops"] = loops_curve(SEED_PATH, (1, 2, 4, 8, 16))
+    res["tiny_decode_tokens_per_s_by_loops"] = loops_curve("tiny", (1, 2, 4, 8, 16))
+    res["speculative"] = speculative_numbers(SEED_PATH, [(2, 8), (4, 16)])
+    res["tiny_speculative"] = speculative_numbers("tiny", [(1, 4), (2, 8), (4, 16)])
+    return res
+
+
+def ouro_section() -> dict[str, Any]:
+    wait_for_models()
+    return {"int4": generation_numbers(OURO_PATH, 4)}
+
+
+def cli_section() -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "tinyloop.cli.main", SEED_PATH, "benchmark", "--seq-len", "128", "--repeat", "5",
+           "--decode", "32", "--json"]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    prof = subprocess.run(cmd[:-1], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "TINYLOOP_CUDA_PROFILE": "1"})  # fmt: skip
+    return {"rc": p.returncode, "stdout": p.stdout[-4000:], "stderr": p.stderr[-2000:],
+            "profile_stdout": prof.stdout[-4000:], "profile_stderr": prof.stderr[-1500:]}  # fmt: skip
+
+
+SECTIONS = {
+    "env": env_section,
+    "correctness": correctness_section,
+    "quick_correctness": quick_correctness_section,
+    "sweep": sweep_section,
+    "seed407m": seed_section,
+    "ouro": ouro_section,
+    "cli": cli_section,
+}
+
+
+def main() -> None:
+    global OUT
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--only", nargs="*", default=list(SECTIONS))
+    ap.add_argument("--configs", help="JSON file of chosen matvec configs from an earlier sweep")
+    args = ap.parse_args()
+    OUT = Path(args.out)
+    _PROCS.update(make_models())
+    if args.configs:
+        for key, cfg in json.loads(Path(args.configs).read_text()).items():
+            cuda_ops.MATVEC_CONFIGS[tuple(int(v) for v in key.strip("()").split(","))] = tuple(cfg)  # type: ignore[index]
+    for name in args.only:
+        section(name, SECTIONS[name])
+    wait_for_models()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""Which SDPA implementation prefill attention uses on CUDA (TINYLOOP_DISABLE_FLASH2_PREFILL,
+TINYLOOP_USE_CUDNN_SDPA); CPU always uses PyTorch's default choice."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# Set from the environment when a CUDA engine is created (kernels/cuda_backend.py).
+DISABLE_FLASH = False
+USE_CUDNN = False
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    gqa: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention, q [B, H, T, hd], k/v [B, KVH, S, hd]."""
+    if q.device.type != "cuda" or not (DISABLE_FLASH or USE_CUDNN):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    if DISABLE_FLASH:  # the simple path: one matmul-softmax-matmul, no tiling
+        with sdpa_kernel([SDPBackend.MATH]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    except RuntimeError:  # cuDNN missing or this shape unsupported: fall back silently, as documented
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)

@@ -1,0 +1,56 @@
+"""Installs the CUDA kernels behind the dispatch point when a CUDA engine is created."""
+
+from __future__ import annotations
+
+import torch
+
+from tinyloop.env import RuntimeEnv
+from tinyloop.kernels import attention_backend
+from tinyloop.kernels.dispatch import Weight, register_linear_kernel
+from tinyloop.log import info
+from tinyloop.quant import Int4Weight
+
+_installed = False
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _int4_linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+    from tinyloop.kernels.cuda_ops import fused_linear
+
+    assert isinstance(w, Int4Weight)
+    flat = x.reshape(-1, x.shape[-1])
+    return fused_linear(flat, w).view(*x.shape[:-1], w.shape[0])
+
+
+def install(env: RuntimeEnv) -> bool:
+    """Route INT4 matmuls on CUDA to the Triton kernels and apply the attention/GEMM switches.
+
+    Returns False (after saying so) when Triton is missing: INT4 weights then dequantize per call.
+    """
+    global _installed
+    attention_backend.DISABLE_FLASH = env.disable_flash2_prefill
+    attention_backend.USE_CUDNN = env.use_cudnn_sdpa
+    if not triton_available():
+        info("Triton is not installed: CUDA INT4 matmuls dequantize on every call (slow)")
+        return False
+    from tinyloop.kernels import cuda_ops
+
+    cuda_ops.USE_CUBLAS_16BIT = not env.disable_cublas_fp16
+    if not _installed:
+        register_linear_kernel("int4", "cuda", _int4_linear)
+        _installed = True
+    return True
+
+
+def l2_cache_bytes() -> int:
+    if not torch.cuda.is_available():
+        return 0
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return int(getattr(props, "L2_cache_size", 0))

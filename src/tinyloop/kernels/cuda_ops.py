@@ -1,0 +1,230 @@
+"""Launchers for the Triton kernels: shapes, launch configurations and the choice of kernel per size.
+
+Every function takes and returns plain tensors (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1,
+which is how the CPU test suite checks the kernels).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from tinyloop.kernels.dispatch import Weight
+from tinyloop.kernels.triton_attention import _cached_attention_kernel, _rope_store_kernel
+from tinyloop.kernels.triton_matmul import (
+    _dequant_kernel,
+    _matmul_kernel,
+    _matvec1_int4_kernel,
+    _matvec_kernel,
+    _matvec_rows_int4_kernel,
+)
+from tinyloop.kernels.triton_norm import _rms_norm_kernel
+from tinyloop.quant import Int4Weight
+
+ACT_NONE, ACT_SWIGLU, ACT_GELU = 0, 1, 2
+
+# Row counts that pick the kernel: up to MATVEC_MAX_ROWS the CUDA-core matvec; up to DOT_MAX_ROWS the
+# tensor-core Triton kernel with INT4 dequantized per tile; beyond, the weight is dequantized into a
+# scratch buffer and multiplied by cuBLAS. On an H200 (docs/BENCHMARKS.md) dequantize + cuBLAS beat
+# every tensor-core tile tried from 16 rows up (qkv of seed-407m: 18.7 vs 23.1 us at 16 rows, 57 vs
+# 224 us at 1024), so the tensor-core kernel is only used where cuBLAS is switched off.
+MATVEC_MAX_ROWS = 4
+INT4_MATVEC_MAX_ROWS = 4
+DOT_MAX_ROWS = 4
+
+# Cached attention: keys per iteration and warps per (row, head) program. Few programs run (one per
+# head), so each takes big bites of the cache to keep enough loads in flight.
+ATTENTION_BLOCK = 128
+ATTENTION_WARPS = 8
+
+# (N, K, rows) -> (BLOCK_N, BLOCK_K, num_warps); filled by benchmark sweeps to override the heuristic.
+MATVEC_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every tensor-core launch, or None: heuristic.
+MATMUL_CONFIG: tuple[int, int, int, int, int] | None = None
+
+
+# TINYLOOP_DISABLE_CUBLAS_FP16=1 clears this (kernels/cuda_backend.py): 16-bit weights then go through
+# the Triton kernels at every size instead of cuBLAS.
+USE_CUBLAS_16BIT = True
+
+
+def _matvec_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, int]:
+    if (n, k, rows) in MATVEC_CONFIGS:
+        return MATVEC_CONFIGS[(n, k, rows)]
+    # Winners of bench/gpu_suite.py's sweep on an H200 (seed-407m shapes, docs/BENCHMARKS.md): 4 output
+    # features a program; long rows in 2048-column bites with 8 warps when there are few features.
+    if rows == 1:
+        return (4, max(group, 2048), 8) if n <= 2048 else (4, max(group, 1024), 4)
+    return 4, max(group, 512), 4
+
+
+def _matmul_config(m: int, n: int, group: int) -> tuple[int, int, int, int, int]:
+    block_m = 16 if m <= 16 else (32 if m <= 64 else 64)
+    return block_m, 64 if n >= 4096 else 32, max(group, 64), 4, 3
+
+
+def _weight_parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
+    if isinstance(w, Int4Weight):
+        words = w.packed.view(torch.int32)
+        return words, w.scale, w.minimum, w.group_size, True
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"the CUDA kernels take INT4 or 16-bit weights, got {type(w).__name__}")
+    return w, w, w, 64, False
+
+
+def fused_linear(
+    x: torch.Tensor,
+    w: Weight,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    bias: torch.Tensor | None = None,
+    act: int = ACT_NONE,
+    residual: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """act(rmsnorm(x) @ w.T + bias) + residual for x [M, K] (row-contiguous), in one kernel where it pays.
+
+    With act=ACT_SWIGLU the weight holds [gate; up] rows and the result has half as many features.
+    """
+    M, K = x.shape
+    n_total = w.shape[0]
+    N = n_total // 2 if act == ACT_SWIGLU else n_total
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    dtype = out_dtype or x.dtype
+    out = torch.empty((M, N), dtype=dtype, device=x.device)
+    words, scale, minimum, group, is_int4 = _weight_parts(w)
+    dense_cublas = not is_int4 and USE_CUBLAS_16BIT and M > MATVEC_MAX_ROWS
+    if (is_int4 and M > DOT_MAX_ROWS and USE_CUBLAS_16BIT) or dense_cublas:
+        return _linear_unfused(x, w, norm_weight, eps, bias, act, residual, out)
+    res = residual if residual is not None else out
+    nw = norm_weight if norm_weight is not None else out
+    b = bias if bias is not None else out
+    flags = dict(
+        GROUP=group, INT4=is_int4, NORM=norm_weight is not None, BIAS=bias is not None, ACT=act,
+        RESIDUAL=residual is not None,
+    )  # fmt: skip
+    args = (x, words, scale, minimum, out, res, nw, b, M, N, K, eps, x.stride(0), out.stride(0), res.stride(0))
+    if is_int4 and M <= INT4_MATVEC_MAX_ROWS:
+        block_n, block_k, warps = _matvec_config(N, K, M, group)
+        strides = (K // 8, K // group)
+        flags = dict(flags, GROUP=group)
+        del flags["INT4"]
+        if M == 1:
+            _matvec1_int4_kernel[(triton.cdiv(N, block_n),)](
+                *args, *strides, **flags, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps
+            )
+        else:
+            _matvec_rows_int4_kernel[(triton.cdiv(N, block_n),)](
+                *args, *strides, **flags, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
+                num_warps=warps,
+            )  # fmt: skip
+        return out
+    if M <= MATVEC_MAX_ROWS:
+        block_n, block_k, warps = _matvec_config(N, K, M, group)
+        rows = triton.next_power_of_2(M)
+        _matvec_kernel[(triton.cdiv(N, block_n),)](
+            *args, **flags, ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps
+        )
+        return out
+    block_m, block_n, block_k, warps, stages = MATMUL_CONFIG or _matmul_config(M, N, group)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _matmul_kernel[grid](
+        *args, **flags, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def dequantize_int4(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [N, K] weight in `dtype`, computed on the weight's device."""
+    N, K = w.shape
+    out = torch.empty((N, K), dtype=dtype, device=w.packed.device)
+    block_n, block_k = 16, max(w.group_size, 128)
+    grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
+    _dequant_kernel[grid](
+        w.packed.view(torch.int32), w.scale, w.minimum, out, N, K, GROUP=w.group_size, BLOCK_N=block_n, BLOCK_K=block_k
+    )
+    return out
+
+
+def _linear_unfused(
+    x: torch.Tensor,
+    w: Weight,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    bias: torch.Tensor | None,
+    act: int,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Many rows: the weight in the compute dtype (dequantized into scratch for INT4) through cuBLAS."""
+    h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
+    words, _, _, _, is_int4 = _weight_parts(w)
+    dense = dequantize_int4(w, x.dtype) if isinstance(w, Int4Weight) else words.to(x.dtype)
+    y = F.linear(h, dense, None if bias is None else bias.to(x.dtype))
+    if act == ACT_SWIGLU:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    elif act == ACT_GELU:
+        y = F.gelu(y)
+    if residual is not None:
+        y = residual + y
+    out.copy_(y)
+    return out
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, mode: int = 0
+) -> torch.Tensor:
+    """mode 0: norm(x); 1: residual + norm(x); 2: norm(x + residual). x [M, D]."""
+    M, D = x.shape
+    out = torch.empty_like(x)
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(M,)](
+        x, res, weight, out, D, eps, x.stride(0), res.stride(0), out.stride(0), MODE=mode,
+        BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8,
+    )  # fmt: skip
+    return out
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    seq: int,
+    interleaved: bool,
+) -> torch.Tensor:
+    """qkv [B*T, (H + 2 KVH) hd] -> roped queries [B*T, H, hd]; roped keys and values written into the
+    cache slot views k_cache / v_cache [B, KVH, max_seq, hd] at `positions` [B*T]."""
+    rows = qkv.shape[0]
+    q = torch.empty((rows, n_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    _rope_store_kernel[(rows, n_heads + 2 * n_kv_heads)](
+        qkv, q, k_cache, v_cache, positions, cos, sin, seq, qkv.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        N_HEADS=n_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, INTERLEAVED=interleaved, num_warps=1,
+    )  # fmt: skip
+    return q
+
+
+def cached_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor, seq: int
+) -> torch.Tensor:
+    """q [B*T, H, hd] attends to cache positions 0..positions[i] -> [B*T, H * hd]."""
+    rows, n_heads, head_dim = q.shape
+    n_kv = k_cache.shape[1]
+    out = torch.empty((rows, n_heads * head_dim), dtype=q.dtype, device=q.device)
+    _cached_attention_kernel[(rows, n_heads)](
+        q, k_cache, v_cache, positions, out, seq, head_dim**-0.5,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        N_HEADS=n_heads, GROUP=n_heads // n_kv, HEAD_DIM=head_dim, BLOCK_S=ATTENTION_BLOCK, num_warps=ATTENTION_WARPS,
+    )  # fmt: skip
+    return out

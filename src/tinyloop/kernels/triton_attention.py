@@ -1,0 +1,114 @@
+"""Triton kernels for attention over the static KV cache: RoPE + cache write, and cached attention.
+
+Cache layout (cache/kv.py): [slots, B, kv_heads, max_seq, head_dim]; rows of this step are
+(b, t) pairs flattened to i = b * T + t, with absolute position pos[i].
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rope_store_kernel(
+    qkv_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    T,
+    stride_qkv,
+    stride_cb,
+    stride_ch,
+    stride_cs,
+    N_HEADS: tl.constexpr,
+    N_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """Program (i, h): h < N_HEADS ropes query head h into q_out [rows, H, hd]; the next N_KV programs
+    rope key heads into the cache, the last N_KV copy value heads into it."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    b = i // T
+    pos = tl.load(pos_ptr + i)
+    half = tl.arange(0, HEAD_DIM // 2)
+    if INTERLEAVED:
+        idx1 = 2 * half
+        idx2 = 2 * half + 1
+    else:
+        idx1 = half
+        idx2 = half + HEAD_DIM // 2
+    row = qkv_ptr + i * stride_qkv
+    if h < N_HEADS + N_KV:
+        base = row + h * HEAD_DIM  # q heads then k heads are contiguous in qkv
+        x1 = tl.load(base + idx1).to(tl.float32)
+        x2 = tl.load(base + idx2).to(tl.float32)
+        c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + half)
+        s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + half)
+        y1 = x1 * c - x2 * s
+        y2 = x2 * c + x1 * s
+        if h < N_HEADS:
+            dst = q_out_ptr + (i * N_HEADS + h) * HEAD_DIM
+        else:
+            dst = k_cache_ptr + b * stride_cb + (h - N_HEADS) * stride_ch + pos * stride_cs
+        dt = dst.dtype.element_ty
+        tl.store(dst + idx1, y1.to(dt))
+        tl.store(dst + idx2, y2.to(dt))
+    else:
+        kv = h - N_HEADS - N_KV
+        offs = tl.arange(0, HEAD_DIM)
+        v = tl.load(row + (N_HEADS + N_KV + kv) * HEAD_DIM + offs)
+        dst = v_cache_ptr + b * stride_cb + kv * stride_ch + pos * stride_cs
+        tl.store(dst + offs, v.to(dst.dtype.element_ty))
+
+
+@triton.jit
+def _cached_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    pos_ptr,
+    out_ptr,
+    T,
+    scale,
+    stride_cb,
+    stride_ch,
+    stride_cs,
+    N_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Program (i, h): query head h of row i attends to cache positions 0..pos[i] of its kv head
+    (online softmax in float32); out [rows, H * hd]."""
+    i = tl.program_id(0)
+    h = tl.program_id(1)
+    b = i // T
+    kvh = h // GROUP
+    length = tl.load(pos_ptr + i) + 1
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (i * N_HEADS + h) * HEAD_DIM + offs_d).to(tl.float32) * scale
+    k_base = k_cache_ptr + b * stride_cb + kvh * stride_ch
+    v_base = v_cache_ptr + b * stride_cb + kvh * stride_ch
+    m_i = tl.full((), float("-inf"), tl.float32)
+    l_i = tl.zeros((), tl.float32)
+    acc = tl.zeros((HEAD_DIM,), tl.float32)
+    for s0 in range(0, length, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = offs_s < length
+        k = tl.load(k_base + offs_s[:, None] * stride_cs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+        scores = tl.where(s_mask, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        p = tl.exp(scores - m_new)
+        alpha = tl.exp(m_i - m_new)
+        v = tl.load(v_base + offs_s[:, None] * stride_cs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+    out = acc / l_i
+    tl.store(out_ptr + (i * N_HEADS + h) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))

@@ -1,0 +1,413 @@
+"""Triton matrix kernels for CUDA: INT4 (or 16-bit) weights with the norm, bias, SwiGLU and residual fused in.
+
+Two kernels share one weight-tile loader:
+- `_matvec_kernel` for 1-4 rows (decode): a weight tile is dequantized once and multiplied with every
+  row on CUDA cores; each program owns a few output features, so small matrices still fill the GPU.
+- `_matmul_kernel` for more rows (prefill, batched decode): tensor-core `tl.dot` on dequantized tiles.
+
+INT4 layout: the file's packed bytes viewed as int32 words [N, K/8]; nibble j of word w is column
+8w + j (low nibble first), value = q * scale[n, g] + minimum[n, g] with g = column // group.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# 2**23 as float32 bits: OR-ing a 4-bit value into the mantissa and subtracting 2**23 converts it
+# exactly, with integer and add units instead of the slower int-to-float conversion.
+_MAGIC_BITS = tl.constexpr(0x4B000000)
+_MAGIC = tl.constexpr(8388608.0)
+
+
+@triton.jit
+def _row_rstd(x_ptr, stride_xm, offs_m, m_mask, K, eps, BLOCK_K: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) for rows offs_m of x."""
+    acc = tl.zeros((offs_m.shape[0],), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+            mask=m_mask[:, None] & (offs_k[None, :] < K),
+            other=0.0,
+        ).to(tl.float32)
+        acc += tl.sum(x * x, axis=1)
+    return 1.0 / tl.sqrt(acc / K + eps)
+
+
+@triton.jit
+def _load_x(x_ptr, stride_xm, offs_m, m_mask, offs_k, k_mask, nw_ptr, rstd, NORM: tl.constexpr):
+    x = tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0
+    )
+    if NORM:
+        # Same rounding as the reference norm: normalise in float32, round, scale in the compute dtype.
+        dt = x.dtype
+        g = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(dt).to(tl.float32)
+        x = ((x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt)
+    return x
+
+
+@triton.jit
+def _load_w(
+    w_ptr,
+    s_ptr,
+    m_ptr,
+    rows,
+    row_mask,
+    k0,
+    K,
+    GROUP: tl.constexpr,
+    INT4: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Weight rows `rows`, columns k0..k0+BLOCK_K, as float32 [BLOCK_N, BLOCK_K] (zeros past K)."""
+    if INT4:
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(
+            w_ptr + rows[:, None] * (K // 8) + offs_w[None, :],
+            mask=row_mask[:, None] & (offs_w[None, :] < K // 8),
+            other=0,
+        )
+        shifts = tl.arange(0, 8) * 4
+        q = (words[:, :, None] >> shifts[None, None, :]) & 0xF
+        qf = (q | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC
+        qf = tl.reshape(qf, (BLOCK_N, BLOCK_K // GROUP, GROUP))
+        offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        g_mask = row_mask[:, None] & (offs_g[None, :] < K // GROUP)
+        s = tl.load(s_ptr + rows[:, None] * (K // GROUP) + offs_g[None, :], mask=g_mask, other=0.0).to(tl.float32)
+        mn = tl.load(m_ptr + rows[:, None] * (K // GROUP) + offs_g[None, :], mask=g_mask, other=0.0).to(tl.float32)
+        w = qf * s[:, :, None] + mn[:, :, None]
+        return tl.reshape(w, (BLOCK_N, BLOCK_K))
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(
+            w_ptr + rows[:, None] * K + offs_k[None, :], mask=row_mask[:, None] & (offs_k[None, :] < K), other=0.0
+        )
+        return w.to(tl.float32)
+
+
+@triton.jit
+def _epilogue(
+    acc,
+    acc_up,
+    offs_m,
+    m_mask,
+    rows,
+    row_mask,
+    out_ptr,
+    stride_om,
+    res_ptr,
+    stride_rm,
+    b_ptr,
+    BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+):
+    """ACT: 0 none, 1 SwiGLU (silu(acc) * acc_up), 2 GELU (erf form). Rounds like the reference: the
+    product to the output dtype first, then the activation, then the residual sum."""
+    dt = out_ptr.dtype.element_ty
+    if BIAS:
+        acc = acc + tl.load(b_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+    y = acc.to(dt).to(tl.float32)
+    if ACT == 1:
+        up = acc_up.to(dt).to(tl.float32)
+        y = (y * tl.sigmoid(y)).to(dt).to(tl.float32) * up
+    elif ACT == 2:
+        y = 0.5 * y * (1.0 + tl.erf(y * 0.7071067811865476))
+    mask = m_mask[:, None] & row_mask[None, :]
+    if RESIDUAL:
+        r = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = y.to(dt).to(tl.float32) + r
+    tl.store(out_ptr + offs_m[:, None] * stride_om + rows[None, :], y.to(dt), mask=mask)
+
+
+@triton.jit
+def _matvec_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    m_ptr,
+    out_ptr,
+    res_ptr,
+    nw_ptr,
+    b_ptr,
+    M,
+    N,
+    K,
+    eps,
+    stride_xm,
+    stride_om,
+    stride_rm,
+    GROUP: tl.constexpr,
+    INT4: tl.constexpr,
+    NORM: tl.constexpr,
+    BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    offs_m = tl.arange(0, ROWS)
+    m_mask = offs_m < M
+    rstd = tl.zeros((ROWS,), tl.float32)
+    if NORM:
+        rstd = _row_rstd(x_ptr, stride_xm, offs_m, m_mask, K, eps, BLOCK_K)
+    acc = tl.zeros((ROWS, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((ROWS, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = _load_x(x_ptr, stride_xm, offs_m, m_mask, offs_k, k_mask, nw_ptr, rstd, NORM).to(tl.float32)
+        w = _load_w(w_ptr, s_ptr, m_ptr, rows, row_mask, k0, K, GROUP, INT4, BLOCK_N, BLOCK_K)
+        acc += tl.sum(w[None, :, :] * x[:, None, :], axis=2)
+        if ACT == 1:
+            wu = _load_w(w_ptr, s_ptr, m_ptr, rows + N, row_mask, k0, K, GROUP, INT4, BLOCK_N, BLOCK_K)
+            acc_up += tl.sum(wu[None, :, :] * x[:, None, :], axis=2)
+    _epilogue(
+        acc, acc_up, offs_m, m_mask, rows, row_mask, out_ptr, stride_om, res_ptr, stride_rm, b_ptr, BIAS, ACT, RESIDUAL
+    )
+
+
+@triton.jit
+def _nibble(words, j: tl.constexpr):
+    """Nibble j of each word as an exact float32 (via the 2**23 mantissa trick)."""
+    q = ((words >> (4 * j)) & 0xF) | _MAGIC_BITS
+    return q.to(tl.float32, bitcast=True) - _MAGIC
+
+
+@triton.jit
+def _matvec1_int4_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    m_ptr,
+    out_ptr,
+    res_ptr,
+    nw_ptr,
+    b_ptr,
+    M,
+    N,
+    K,
+    eps,
+    stride_xm,
+    stride_om,
+    stride_rm,
+    stride_w,
+    stride_g,
+    GROUP: tl.constexpr,
+    NORM: tl.constexpr,
+    BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """One row times an INT4 matrix, on the packed words directly (no reshapes): column 8w + j is nibble j
+    of word w, so x is read as 8 strided vectors. With NORM the row's 1/rms is gathered on the way and
+    applied at the end (w . (x * g) * rstd), so the norm costs no second pass over x."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    BLOCK_W: tl.constexpr = BLOCK_K // 8
+    WORDS_PER_GROUP: tl.constexpr = GROUP // 8
+    acc = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
+    acc_up = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
+    sumsq = tl.zeros((BLOCK_W,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_W)
+        w_mask = offs_w < K // 8
+        mask2 = row_mask[:, None] & w_mask[None, :]
+        g_idx = rows[:, None] * stride_g + offs_w[None, :] // WORDS_PER_GROUP
+        words = tl.load(w_ptr + rows[:, None] * stride_w + offs_w[None, :], mask=mask2, other=0)
+        s = tl.load(s_ptr + g_idx, mask=mask2, other=0.0).to(tl.float32)
+        mn = tl.load(m_ptr + g_idx, mask=mask2, other=0.0).to(tl.float32)
+        if ACT == 1:
+            up_idx = (rows + N)[:, None] * stride_g + offs_w[None, :] // WORDS_PER_GROUP
+            words_up = tl.load(w_ptr + (rows + N)[:, None] * stride_w + offs_w[None, :], mask=mask2, other=0)
+            s_up = tl.load(s_ptr + up_idx, mask=mask2, other=0.0).to(tl.float32)
+            mn_up = tl.load(m_ptr + up_idx, mask=mask2, other=0.0).to(tl.float32)
+        part = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
+        part_up = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
+        xsum = tl.zeros((BLOCK_W,), tl.float32)
+        for j in tl.static_range(8):
+            xj = tl.load(x_ptr + offs_w * 8 + j, mask=w_mask, other=0.0).to(tl.float32)
+            if NORM:
+                sumsq += xj * xj
+                xj = xj * tl.load(nw_ptr + offs_w * 8 + j, mask=w_mask, other=0.0).to(tl.float32)
+            xsum += xj
+            part += _nibble(words, j) * xj[None, :]
+            if ACT == 1:
+                part_up += _nibble(words_up, j) * xj[None, :]
+        acc += s * part + mn * xsum[None, :]
+        if ACT == 1:
+            acc_up += s_up * part_up + mn_up * xsum[None, :]
+    y = tl.sum(acc, axis=1)
+    y_up = tl.sum(acc_up, axis=1)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / K + eps)
+        y = y * rstd
+        y_up = y_up * rstd
+    offs_m = tl.arange(0, 1)
+    _epilogue(
+        y[None, :], y_up[None, :], offs_m, offs_m < 1, rows, row_mask, out_ptr, stride_om, res_ptr, stride_rm, b_ptr,
+        BIAS, ACT, RESIDUAL,
+    )  # fmt: skip
+
+
+@triton.jit
+def _matvec_rows_int4_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    m_ptr,
+    out_ptr,
+    res_ptr,
+    nw_ptr,
+    b_ptr,
+    M,
+    N,
+    K,
+    eps,
+    stride_xm,
+    stride_om,
+    stride_rm,
+    stride_w,
+    stride_g,
+    GROUP: tl.constexpr,
+    NORM: tl.constexpr,
+    BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The 1-row kernel for 2..ROWS rows (batched decode, speculative verification): each weight word is
+    unpacked once and used for every row."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    offs_m = tl.arange(0, ROWS)
+    m_mask = offs_m < M
+    BLOCK_W: tl.constexpr = BLOCK_K // 8
+    WORDS_PER_GROUP: tl.constexpr = GROUP // 8
+    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
+    acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
+    sumsq = tl.zeros((ROWS, BLOCK_W), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_W)
+        w_mask = offs_w < K // 8
+        mask2 = row_mask[:, None] & w_mask[None, :]
+        g_idx = rows[:, None] * stride_g + offs_w[None, :] // WORDS_PER_GROUP
+        words = tl.load(w_ptr + rows[:, None] * stride_w + offs_w[None, :], mask=mask2, other=0)
+        s = tl.load(s_ptr + g_idx, mask=mask2, other=0.0).to(tl.float32)
+        mn = tl.load(m_ptr + g_idx, mask=mask2, other=0.0).to(tl.float32)
+        if ACT == 1:
+            up_idx = (rows + N)[:, None] * stride_g + offs_w[None, :] // WORDS_PER_GROUP
+            words_up = tl.load(w_ptr + (rows + N)[:, None] * stride_w + offs_w[None, :], mask=mask2, other=0)
+            s_up = tl.load(s_ptr + up_idx, mask=mask2, other=0.0).to(tl.float32)
+            mn_up = tl.load(m_ptr + up_idx, mask=mask2, other=0.0).to(tl.float32)
+        part = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
+        part_up = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
+        xsum = tl.zeros((ROWS, BLOCK_W), tl.float32)
+        x_mask = m_mask[:, None] & w_mask[None, :]
+        for j in tl.static_range(8):
+            xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_w[None, :] * 8 + j, mask=x_mask, other=0.0)
+            xj = xj.to(tl.float32)
+            if NORM:
+                sumsq += xj * xj
+                xj = xj * tl.load(nw_ptr + offs_w * 8 + j, mask=w_mask, other=0.0).to(tl.float32)[None, :]
+            xsum += xj
+            part += _nibble(words, j)[None, :, :] * xj[:, None, :]
+            if ACT == 1:
+                part_up += _nibble(words_up, j)[None, :, :] * xj[:, None, :]
+        acc += s[None, :, :] * part + mn[None, :, :] * xsum[:, None, :]
+        if ACT == 1:
+            acc_up += s_up[None, :, :] * part_up + mn_up[None, :, :] * xsum[:, None, :]
+    y = tl.sum(acc, axis=2)
+    y_up = tl.sum(acc_up, axis=2)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=1) / K + eps)
+        y = y * rstd[:, None]
+        y_up = y_up * rstd[:, None]
+    _epilogue(
+        y, y_up, offs_m, m_mask, rows, row_mask, out_ptr, stride_om, res_ptr, stride_rm, b_ptr, BIAS, ACT, RESIDUAL
+    )
+
+
+@triton.jit
+def _matmul_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    m_ptr,
+    out_ptr,
+    res_ptr,
+    nw_ptr,
+    b_ptr,
+    M,
+    N,
+    K,
+    eps,
+    stride_xm,
+    stride_om,
+    stride_rm,
+    GROUP: tl.constexpr,
+    INT4: tl.constexpr,
+    NORM: tl.constexpr,
+    BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    rstd = tl.zeros((BLOCK_M,), tl.float32)
+    if NORM:
+        rstd = _row_rstd(x_ptr, stride_xm, offs_m, m_mask, K, eps, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < K
+        x = _load_x(x_ptr, stride_xm, offs_m, m_mask, offs_k, k_mask, nw_ptr, rstd, NORM)
+        w = _load_w(w_ptr, s_ptr, m_ptr, rows, row_mask, k0, K, GROUP, INT4, BLOCK_N, BLOCK_K).to(x.dtype)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+        if ACT == 1:
+            wu = _load_w(w_ptr, s_ptr, m_ptr, rows + N, row_mask, k0, K, GROUP, INT4, BLOCK_N, BLOCK_K).to(x.dtype)
+            if IEEE:
+                acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(x, tl.trans(wu), acc_up)
+    _epilogue(
+        acc, acc_up, offs_m, m_mask, rows, row_mask, out_ptr, stride_om, res_ptr, stride_rm, b_ptr, BIAS, ACT, RESIDUAL
+    )
+
+
+@triton.jit
+def _dequant_kernel(
+    w_ptr, s_ptr, m_ptr, out_ptr, N, K, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    row_mask = rows < N
+    w = _load_w(w_ptr, s_ptr, m_ptr, rows, row_mask, k0, K, GROUP, True, BLOCK_N, BLOCK_K)
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask = row_mask[:, None] & (offs_k[None, :] < K)
+    tl.store(out_ptr + rows[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)

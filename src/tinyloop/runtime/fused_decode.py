@@ -1,0 +1,274 @@
+"""The CUDA decode step: the looped forward over the static KV cache through fused Triton kernels,
+captured in CUDA graphs (one per batch size, token count, loop count and cache, built lazily).
+
+Per layer: RMSNorm + QKV (+ bias) -> RoPE + cache write -> cached attention -> output projection +
+residual -> RMSNorm + gate/up + SwiGLU -> down projection + residual; six launches instead of ~40.
+Same math and rounding points as `model/looped.py` (tests compare the two); configs it does not cover
+(LayerNorm) and ragged batches go back to the generic path.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tinyloop.cache.kv import KVCache
+from tinyloop.cache.slots import body_slot, coda_slot, prelude_slot
+from tinyloop.kernels import cuda_ops as ops
+from tinyloop.kernels.attention_backend import sdpa
+from tinyloop.log import detail
+from tinyloop.model.looped import ForwardOutput, embed, gate_logit, initial_state
+from tinyloop.model.weights import LayerWeights
+from tinyloop.runtime.engine import Engine
+
+# Steps of up to this many tokens per row attend through the cached-attention kernel; longer steps
+# (prefill) use SDPA's tiled flash path and are only taken from an empty cache.
+FUSED_ATTENTION_MAX_TOKENS = 16
+MAX_GRAPHS = 8
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    output: ForwardOutput
+    resume: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+class FusedDecoder:
+    """Decoder (runtime/decode_path.py) for CUDA engines; `graphs=False` runs the kernels eagerly
+    (also how the CPU tests drive it under TRITON_INTERPRET=1)."""
+
+    def __init__(self, engine: Engine, graphs: bool = True) -> None:
+        self.engine = engine
+        self.cfg = engine.cfg
+        self.graphs_enabled = graphs and engine.device.type == "cuda"
+        self._graphs: OrderedDict[tuple[int, ...], _Graph] = OrderedDict()
+        self._seen: set[tuple[int, ...]] = set()
+        self._pool: Any = None
+        self._scratch: KVCache | None = None
+        # Bytes the captured graphs keep allocated (their activations live in a private pool).
+        self.graph_bytes = 0
+        # Sandwich placements: x + norm(sublayer) (rms_norm mode 1) or norm(sublayer + x) (mode 2).
+        self._post_mode = 1 if self.cfg.norm_placement == "sandwich_out" else 2
+        self._qkv_bias: dict[int, torch.Tensor | None] = {}
+        for lw in self._all_layers():
+            self._qkv_bias[id(lw)] = self._combined_bias(lw)
+
+    def _all_layers(self) -> list[LayerWeights]:
+        w = self.engine.weights
+        return [*w.prelude, *w.body, *w.coda]
+
+    def _combined_bias(self, lw: LayerWeights) -> torch.Tensor | None:
+        if lw.q_bias is None or lw.k_bias is None:
+            return None
+        v = torch.zeros(self.cfg.kv_dim, dtype=torch.float32, device=lw.q_bias.device)
+        return torch.cat((lw.q_bias.float(), lw.k_bias.float(), v))
+
+    @property
+    def supported(self) -> bool:
+        return self.cfg.norm_kind == "rmsnorm"
+
+    # Engine.step also hands this decoder steps at other positions and resumed steps (verification).
+    resumes = True
+
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache,
+        loops: int,
+        valid: torch.Tensor | None,
+        last_only: bool,
+        start: torch.Tensor | None = None,
+        resume: tuple[torch.Tensor, torch.Tensor] | None = None,
+        start_loop: int = 0,
+    ) -> ForwardOutput | None:
+        B, T = tokens.shape
+        if not self.supported or (valid is not None and bool((valid.to("cpu") != T).any())):
+            return None
+        begin = cache.lengths if start is None else start.to("cpu", torch.long)
+        if T > FUSED_ATTENTION_MAX_TOKENS and bool((begin != 0).any()):
+            return None
+        positions = (begin[:, None] + torch.arange(T)[None, :]).reshape(-1)
+        dev = self.engine.device
+        if resume is not None:
+            resume = (resume[0].to(dev, self.engine.dtype), resume[1].to(dev, self.engine.dtype))
+        if not self.graphs_enabled:
+            return self._forward(tokens.to(dev), positions.to(dev), cache, loops, last_only, resume, start_loop)
+        key = (B, T, loops, int(last_only), start_loop, int(resume is not None), cache.k.data_ptr(), *cache.k.shape)
+        entry = self._graphs.get(key)
+        if entry is None:
+            if T > 1 and key not in self._seen:  # a multi-token shape seen once is not worth a graph yet
+                self._seen.add(key)
+                return self._forward(tokens.to(dev), positions.to(dev), cache, loops, last_only, resume, start_loop)
+            entry = self._capture(tokens, positions, cache, loops, last_only, resume, start_loop)
+            self._graphs[key] = entry
+            if len(self._graphs) > MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+        else:
+            self._graphs.move_to_end(key)
+        entry.tokens.copy_(tokens, non_blocking=True)
+        entry.positions.copy_(positions, non_blocking=True)
+        if resume is not None and entry.resume is not None:
+            entry.resume[0].copy_(resume[0])
+            entry.resume[1].copy_(resume[1])
+        entry.graph.replay()
+        out = entry.output
+        return ForwardOutput(
+            logits=None if out.logits is None else out.logits.clone(),
+            gates=[g.clone() for g in out.gates],
+            loop_state=None if out.loop_state is None else out.loop_state.clone(),
+            prelude_out=None if out.prelude_out is None else out.prelude_out.clone(),
+        )
+
+    def score(
+        self, tokens: torch.Tensor, loops: int, valid: torch.Tensor | None, last_only: bool
+    ) -> ForwardOutput | None:
+        """An uncached forward from position 0 (scoring), run over a scratch cache kept for reuse."""
+        B, T = tokens.shape
+        scratch = self._scratch
+        if scratch is None or scratch.batch != B or scratch.max_seq < T or scratch.loops < loops:
+            self._scratch = None  # release the old one before allocating
+            scratch = self._scratch = self.engine.new_cache(B, T, loops)
+        scratch.lengths = torch.zeros(B, dtype=torch.long)
+        return self.decode(tokens, scratch, loops, valid, last_only)
+
+    def _capture(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        loops: int,
+        last_only: bool,
+        resume: tuple[torch.Tensor, torch.Tensor] | None,
+        start_loop: int,
+    ) -> _Graph:
+        dev = self.engine.device
+        static_tokens = tokens.to(dev).clone()
+        static_positions = positions.to(dev).clone()
+        static_resume = None if resume is None else (resume[0].clone(), resume[1].clone())
+        # Warm-up on a side stream (compiles the kernels); it writes the same K/V the replay will.
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            self._forward(static_tokens, static_positions, cache, loops, last_only, static_resume, start_loop)
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        before = torch.cuda.memory_allocated(dev)
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = self._forward(static_tokens, static_positions, cache, loops, last_only, static_resume, start_loop)
+        self.graph_bytes += torch.cuda.memory_allocated(dev) - before
+        detail(f"captured a CUDA graph: batch {tokens.shape[0]}, tokens {tokens.shape[1]}, loops {loops}")
+        return _Graph(graph, static_tokens, static_positions, output, static_resume)
+
+    # ---- the fused forward -------------------------------------------------------------------
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        cache: KVCache,
+        loops: int,
+        last_only: bool,
+        resume: tuple[torch.Tensor, torch.Tensor] | None = None,
+        start_loop: int = 0,
+    ) -> ForwardOutput:
+        cfg, w, eng = self.cfg, self.engine.weights, self.engine
+        B, T = tokens.shape
+        if resume is None:
+            x = embed(w, cfg, tokens, eng.dtype).reshape(B * T, cfg.d_model)
+            for i, lw in enumerate(w.prelude):
+                x = self._layer(x, lw, cache, prelude_slot(cfg, i), positions, T)
+            p = x
+            s = initial_state(cfg, p, positions, eng.noise)
+        else:
+            s = resume[0].reshape(B * T, cfg.d_model)
+            p = resume[1].reshape(B * T, cfg.d_model)
+        gates: list[torch.Tensor] = []
+        for t in range(start_loop, loops):
+            if cfg.injection == "add":
+                h = s + p
+            elif cfg.injection == "concat":
+                assert w.adapter is not None
+                h = ops.fused_linear(torch.cat((s, p), dim=-1), w.adapter)
+            else:
+                h = s
+            for j, lw in enumerate(w.body):
+                h = self._layer(h, lw, cache, body_slot(cfg, t, j), positions, T)
+            if cfg.loop_norm == "every_loop":
+                assert w.final_norm is not None
+                h = ops.rms_norm(h, w.final_norm.weight, cfg.norm_eps)
+            s = h
+            if w.exit_gate_weight is not None:
+                gates.append(gate_logit(w, s).view(B, T))
+        x = s
+        if cfg.loop_norm == "after_loop":
+            assert w.final_norm is not None
+            x = ops.rms_norm(x, w.final_norm.weight, cfg.norm_eps)
+        for i, lw in enumerate(w.coda):
+            x = self._layer(x, lw, cache, coda_slot(cfg, i), positions, T)
+        rows = x.view(B, T, -1)[:, -1] if last_only else x
+        head_norm = w.final_norm.weight if cfg.head_norm and w.final_norm is not None else None
+        logits = ops.fused_linear(
+            rows,
+            w.head,
+            norm_weight=head_norm,
+            eps=cfg.norm_eps,
+            out_dtype=torch.float32,
+        )
+        if cfg.logit_scale != 1.0:
+            logits = logits * cfg.logit_scale
+        return ForwardOutput(
+            logits=logits.view(B, 1 if last_only else T, -1),
+            gates=gates,
+            loop_state=s.view(B, T, -1),
+            prelude_out=p.view(B, T, -1),
+        )
+
+    def _layer(
+        self, x: torch.Tensor, lw: LayerWeights, cache: KVCache, slot: int, positions: torch.Tensor, T: int
+    ) -> torch.Tensor:
+        cfg, eng = self.cfg, self.engine
+        qkv = ops.fused_linear(
+            x,
+            lw.qkv,
+            norm_weight=lw.attn_norm.weight,
+            eps=cfg.norm_eps,
+            bias=self._qkv_bias[id(lw)],
+        )
+        k_cache, v_cache = cache.k[slot], cache.v[slot]
+        q = ops.rope_store(
+            qkv, k_cache, v_cache, positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, T,
+            cfg.rope_pairing == "interleaved",
+        )  # fmt: skip
+        if T <= FUSED_ATTENTION_MAX_TOKENS:
+            attn = ops.cached_attention(q, k_cache, v_cache, positions, T)
+        else:
+            B = x.shape[0] // T
+            qh = q.view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+            out = sdpa(qh, k_cache[:, :, :T], v_cache[:, :, :T], causal=True, gqa=cfg.n_heads != cfg.n_kv_heads)
+            attn = out.transpose(1, 2).reshape(B * T, cfg.q_dim)
+        if cfg.norm_placement == "pre":
+            x = ops.fused_linear(attn, lw.out, residual=x)
+        else:
+            assert lw.attn_post_norm is not None
+            a = ops.fused_linear(attn, lw.out)
+            x = ops.rms_norm(
+                a, lw.attn_post_norm.weight, cfg.norm_eps, x, 1 if cfg.norm_placement == "sandwich_out" else 2
+            )
+        act = ops.ACT_SWIGLU if lw.gate_up is not None else ops.ACT_GELU
+        up = lw.gate_up if lw.gate_up is not None else lw.up
+        assert up is not None
+        h = ops.fused_linear(x, up, norm_weight=lw.mlp_norm.weight, eps=cfg.norm_eps, act=act)
+        if cfg.norm_placement == "pre":
+            return ops.fused_linear(h, lw.down, residual=x)
+        assert lw.mlp_post_norm is not None
+        m = ops.fused_linear(h, lw.down)
+        return ops.rms_norm(
+            m, lw.mlp_post_norm.weight, cfg.norm_eps, x, 1 if cfg.norm_placement == "sandwich_out" else 2
+        )

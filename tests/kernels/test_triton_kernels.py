@@ -1,0 +1,124 @@
+"""Each Triton kernel against a float64 reference written with plain torch ops (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import frob_rel_error
+from tinyloop.config import ArchConfig
+from tinyloop.kernels import cuda_ops as ops
+from tinyloop.model.layers import apply_rope, rope_tables
+from tinyloop.quant import quantize_int4
+
+# float32 matches to rounding; 16-bit results are rounded to 16 bits at the same points as the reference.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+
+
+def reference(x, w, norm=None, bias=None, act=0, residual=None, eps=1e-6):  # type: ignore[no-untyped-def]
+    h = x.double()
+    if norm is not None:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm.double()
+    y = h @ w.double().T
+    if bias is not None:
+        y = y + bias.double()
+    if act == ops.ACT_SWIGLU:
+        g, u = y.chunk(2, dim=-1)
+        y = F.silu(g) * u
+    elif act == ops.ACT_GELU:
+        y = F.gelu(y)
+    return y if residual is None else y + residual.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 9])
+@pytest.mark.parametrize("int4", [True, False], ids=["int4", "dense"])
+def test_fused_linear_matches_reference(dtype: torch.dtype, rows: int, int4: bool) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    K, N = 128, 40  # N not a multiple of the tile: masked edges
+    raw = torch.randn(2 * N, K, generator=gen) / K**0.5
+    weight = quantize_int4(raw, 32) if int4 else raw.to(dtype)
+    dense = weight.dequantize() if int4 else raw.to(dtype).float()  # type: ignore[union-attr]
+    x = torch.randn(rows, K, generator=gen).to(dtype)
+    norm = 1 + 0.1 * torch.randn(K, generator=gen)
+    bias = 0.1 * torch.randn(N, generator=gen)
+    residual = torch.randn(rows, N, generator=gen).to(dtype)
+    cases = [
+        (dict(act=ops.ACT_SWIGLU), dict(act=ops.ACT_SWIGLU)),
+        (dict(norm_weight=norm, eps=1e-6), dict(norm=norm)),
+        (dict(bias=bias, residual=residual), dict(bias=bias, residual=residual)),
+        (dict(act=ops.ACT_GELU, norm_weight=norm, eps=1e-6), dict(act=ops.ACT_GELU, norm=norm)),
+    ]
+    for kwargs, ref_kwargs in cases:
+        w = weight if ref_kwargs.get("act") == ops.ACT_SWIGLU else _rows(weight, N)
+        wd = dense if ref_kwargs.get("act") == ops.ACT_SWIGLU else dense[:N]
+        got = ops.fused_linear(x, w, **kwargs)  # type: ignore[arg-type]
+        ref = reference(x.double(), wd, **ref_kwargs)
+        assert got.dtype == dtype
+        assert frob_rel_error(got, ref) <= TOL[dtype], kwargs
+
+
+def _rows(w, n):  # type: ignore[no-untyped-def]
+    from tinyloop.quant import Int4Weight
+
+    if isinstance(w, Int4Weight):
+        return Int4Weight(w.packed[:n].contiguous(), w.scale[:n].contiguous(), w.minimum[:n].contiguous(), w.group_size)
+    return w[:n].contiguous()
+
+
+def test_dequantize_int4_is_exact() -> None:
+    raw = torch.randn(24, 256, generator=torch.Generator().manual_seed(1))
+    q = quantize_int4(raw, 64)
+    assert torch.equal(ops.dequantize_int4(q, torch.float32), q.dequantize())
+
+
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_rms_norm_modes(mode: int) -> None:
+    gen = torch.Generator().manual_seed(mode)
+    x, r = torch.randn(5, 48, generator=gen), torch.randn(5, 48, generator=gen)
+    w = 1 + 0.1 * torch.randn(48, generator=gen)
+    inp = x.double() + r.double() if mode == 2 else x.double()
+    ref = inp * torch.rsqrt(inp.pow(2).mean(-1, keepdim=True) + 1e-6) * w.double()
+    if mode == 1:
+        ref = ref + r.double()
+    assert frob_rel_error(ops.rms_norm(x, w, 1e-6, r, mode), ref) <= 1e-6
+
+
+@pytest.mark.parametrize("pairing", ["half", "interleaved"])
+def test_rope_store_and_cached_attention(pairing: str) -> None:
+    B, T, H, KVH, hd, S = 2, 3, 4, 2, 16, 40
+    gen = torch.Generator().manual_seed(3)
+    cfg = ArchConfig(
+        vocab_size=64, d_model=64, n_heads=H, n_kv_heads=KVH, head_dim=hd, ffn_dim=64,
+        n_prelude=0, n_body=1, n_coda=0, rope_pairing=pairing,
+    )  # fmt: skip
+    cos, sin = rope_tables(cfg, 64, "cpu")
+    qkv = torch.randn(B * T, (H + 2 * KVH) * hd, generator=gen)
+    k_cache, v_cache = torch.randn(B, KVH, S, hd, generator=gen), torch.randn(B, KVH, S, hd, generator=gen)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    pos = (torch.tensor([5, 9])[:, None] + torch.arange(T)).reshape(-1)
+
+    q = ops.rope_store(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, T, pairing == "interleaved")
+
+    pos2 = pos.view(B, T)
+    qr, kr, vr = qkv.view(B, T, -1).split((H * hd, KVH * hd, KVH * hd), -1)
+    q_ref = apply_rope(qr.reshape(B, T, H, hd), cos[pos2], sin[pos2], pairing)
+    k_new = apply_rope(kr.reshape(B, T, KVH, hd), cos[pos2], sin[pos2], pairing)
+    for b in range(B):
+        for t in range(T):
+            k_ref[b, :, pos2[b, t]] = k_new[b, t]
+            v_ref[b, :, pos2[b, t]] = vr[b, t].view(KVH, hd)
+    assert torch.allclose(q.view(B, T, H, hd), q_ref, atol=1e-6)
+    assert torch.allclose(k_cache, k_ref, atol=1e-6) and torch.equal(v_cache, v_ref)
+
+    out = ops.cached_attention(q, k_cache, v_cache, pos, T)
+    ref = torch.empty(B * T, H * hd, dtype=torch.float64)
+    for b in range(B):
+        for t in range(T):
+            p = int(pos2[b, t])
+            for h in range(H):
+                keys, values = k_ref[b, h // (H // KVH), : p + 1].double(), v_ref[b, h // (H // KVH), : p + 1].double()
+                probs = torch.softmax(keys @ q_ref[b, t, h].double() * hd**-0.5, dim=0)
+                ref[b * T + t, h * hd : (h + 1) * hd] = probs @ values
+    assert frob_rel_error(out, ref) <= 1e-6
