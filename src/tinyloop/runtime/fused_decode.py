@@ -22,7 +22,9 @@ from tinyloop.kernels.attention_backend import sdpa
 from tinyloop.log import detail
 from tinyloop.model.looped import ForwardOutput, embed, gate_logit, initial_state
 from tinyloop.model.weights import LayerWeights
+from tinyloop.quant import Int4Weight
 from tinyloop.runtime.engine import Engine
+from tinyloop.stochastic.weight import StochasticInt4Weight
 
 # Steps of up to this many tokens per row attend through the cached-attention kernel; longer steps
 # (prefill) use SDPA's tiled flash path and are only taken from an empty cache.
@@ -37,6 +39,10 @@ class _Graph:
     positions: torch.Tensor
     output: ForwardOutput
     resume: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def has_cross_iter_weight(m: object) -> bool:
+    return isinstance(m, StochasticInt4Weight)
 
 
 class FusedDecoder:
@@ -55,6 +61,7 @@ class FusedDecoder:
         self.graph_bytes = 0
         # Sandwich placements: x + norm(sublayer) (rms_norm mode 1) or norm(sublayer + x) (mode 2).
         self._post_mode = 1 if self.cfg.norm_placement == "sandwich_out" else 2
+        self._supported = self._kernels_cover()
         self._qkv_bias: dict[int, torch.Tensor | None] = {}
         for lw in self._all_layers():
             self._qkv_bias[id(lw)] = self._combined_bias(lw)
@@ -71,7 +78,16 @@ class FusedDecoder:
 
     @property
     def supported(self) -> bool:
-        return self.cfg.norm_kind == "rmsnorm"
+        return self._supported
+
+    def _kernels_cover(self) -> bool:
+        """RMSNorm models whose matrices are plain INT4 or 16/32-bit (not e.g. stochastic-rounding weights)."""
+        w = self.engine.weights
+        mats: list[object] = [w.head, w.adapter] if w.adapter is not None else [w.head]
+        for lw in self._all_layers():
+            mats += [lw.qkv, lw.out, lw.gate_up if lw.gate_up is not None else lw.up, lw.down]
+        plain = all(isinstance(m, (Int4Weight, torch.Tensor)) and not has_cross_iter_weight(m) for m in mats)
+        return self.cfg.norm_kind == "rmsnorm" and plain
 
     # Engine.step also hands this decoder steps at other positions and resumed steps (verification).
     resumes = True
