@@ -201,6 +201,7 @@ MATVEC_CANDIDATES = {  # rows -> (BLOCK_N, BLOCK_K, num_warps)
 }  # fmt: skip
 
 
+FULL = True  # quick_correctness also runs seed-407m on the CPU (about a minute)
 MATMUL_SWEEP = False  # tensor-core tiles vs cuBLAS: measured once (docs/BENCHMARKS.md), cuBLAS won
 
 
@@ -224,7 +225,7 @@ def quick_correctness_section() -> dict[str, Any]:
     return {
         "int4_kernels_vs_float64": kernels,
         "tiny_default_dtype": compare_model("tiny", ids, 8, prompts),
-        "seed407m_f32": compare_model(SEED_PATH, sid, 8, [sid[:16]], dtype=torch.float32),
+        "seed407m_f32": compare_model(SEED_PATH, sid, 8, [sid[:16]], dtype=torch.float32) if FULL else None,
     }
 
 
@@ -451,6 +452,13 @@ def ouro_section() -> dict[str, Any]:
     return {"int4": generation_numbers(OURO_PATH, 4)}
 
 
+def stochastic_section() -> dict[str, Any]:
+    """Issue 9: decode speed with cross-iteration rounding kernels against plain INT4 (seed-407m)."""
+    cmd = [sys.executable, "tools/bench_cross_iter_gpu.py", "--preset", "seed-407m", "--tokens", "128", "--loops", "8"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    return {"rc": p.returncode, "stdout": p.stdout[-6000:], "stderr": p.stderr[-3000:]}
+
+
 def cli_section() -> dict[str, Any]:
     cmd = [sys.executable, "-m", "tinyloop.cli.main", SEED_PATH, "benchmark", "--seq-len", "128", "--repeat", "5",
            "--decode", "32", "--json"]  # fmt: skip
@@ -469,6 +477,7 @@ SECTIONS = {
     "seed407m": seed_section,
     "ouro": ouro_section,
     "cli": cli_section,
+    "stochastic": stochastic_section,
 }
 
 
@@ -478,8 +487,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", nargs="*", default=list(SECTIONS))
     ap.add_argument("--configs", help="JSON file of chosen matvec configs from an earlier sweep")
+    ap.add_argument("--quick", action="store_true", help="quick_correctness without seed-407m on the CPU")
     args = ap.parse_args()
     OUT = Path(args.out)
+    global FULL
+    FULL = not args.quick
     _PROCS.update(make_models())
     if args.configs:
         for key, cfg in json.loads(Path(args.configs).read_text()).items():

@@ -37,9 +37,9 @@ def test_plain_safetensors_file(copy_of) -> None:
 
 def test_newer_major_version(copy_of) -> None:
     path = copy_of("4")
-    edit_header(path, lambda d: d["__metadata__"].update(format_version="2.0"))
+    edit_header(path, lambda d: d["__metadata__"].update(format_version="3.0"))
     err = refused(path, "format_version", "upgrade")
-    assert err.found == "2.0"
+    assert err.found == "3.0"
 
 
 @pytest.mark.parametrize("version", ["1", "1.0.0", "v1.0", "01.0", "", "0.9"])

@@ -70,3 +70,38 @@ def test_errors_are_one_line_with_status_2(tiny_files, verb, flags, needle) -> N
     res = run(str(tiny_files["f32"]), verb, *flags)
     lines = res.stderr.decode().strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], lines
+
+
+def test_speculate_stops_like_generate(tiny_files) -> None:
+    path = str(tiny_files["f32"])
+    common = ["--prompt", "Hi", "--max-tokens", "24"]
+    full = run(path, "generate", *common, "--loops", "4", "--temperature", "0")
+    stop = full.stdout[2:-1][10:12].decode("latin-1")
+    plain = run(path, "generate", *common, "--loops", "4", "--temperature", "0", "--stop", stop, "--stop", "\x01")
+    spec = run(path, "speculate", *common, "--draft-loops", "1", "--verify-loops", "4", "--stop", stop, "--stats")
+    assert spec.returncode == 0 and plain.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout and len(spec.stdout) < len(full.stdout)
+    assert b"same tokens" in spec.stderr and b"stop stop_string" in spec.stderr
+
+
+def test_speculate_with_depth_schedule_matches_generate(tiny_files) -> None:
+    path = str(tiny_files["f32"])
+    common = ["--prompt", "x", "--max-tokens", "16", "--l-warmup-tokens", "4", "--l-warmup-L", "1"]
+    plain = run(path, "generate", *common, "--loops", "4", "--temperature", "0")
+    spec = run(path, "speculate", *common, "--draft-loops", "2", "--verify-loops", "4")
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+
+
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (["--cache-window", "8"], "--cache-window 8 cannot be used with speculate"),
+        (["--l-warmup-tokens", "2", "--l-warmup-L", "9"], "--l-warmup-L (9) must not exceed --verify-loops (8)"),
+        (["--stop", ""], "--stop must not be empty"),
+    ],
+)
+def test_speculate_refusals_are_one_line(tiny_files, flags, needle) -> None:
+    res = run(str(tiny_files["f32"]), "speculate", *flags)
+    lines = res.stderr.decode().strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and needle in lines[0], lines

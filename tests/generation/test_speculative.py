@@ -95,3 +95,38 @@ def test_bad_arguments(model) -> None:
         model.generate_speculative([1, 2], 5, draft_ahead=0)
     with pytest.raises(ValueError, match="temperature"):
         model.generate_speculative([1, 2], 5, temperature=-1.0)
+
+
+def test_policy_primed_by_the_prompt() -> None:
+    from tinyloop.presets import preset
+    from tinyloop.runtime.spec_policy import DraftPolicy
+
+    cfg = preset("test-tiny")
+    poor = DraftPolicy(cfg, 1, 4, 4, adaptive=True)
+    poor.prime(0.0, 64)  # drafts never agreed on a long prompt: plain for 64 steps, then a one-token probe
+    assert [poor.next_k(100) for _ in range(65)] == [0] * 64 + [1]
+    good = DraftPolicy(cfg, 2, 8, 4, adaptive=True)
+    good.prime(0.95, 64)
+    assert good.next_k(100) == 4
+    short = DraftPolicy(cfg, 1, 4, 4, adaptive=True)
+    short.prime(0.0, 2)  # little evidence: a short pause only
+    assert [short.next_k(100) for _ in range(9)] == [0] * 8 + [1]
+    fixed = DraftPolicy(cfg, 1, 4, 4, adaptive=False)
+    fixed.prime(0.0, 64)
+    assert fixed.next_k(100) == 4
+
+
+def test_adaptive_without_a_prompt_estimate_opens_with_a_probe(model, monkeypatch) -> None:
+    import tinyloop.runtime.speculative as speculative
+
+    monkeypatch.setattr(speculative, "PREFILL_ESTIMATE_LOGITS", 0)
+    for prompt in PROMPTS[:2]:
+        plain = model.generate(list(prompt), 24, 4, temperature=0)
+        res = model.generate_speculative(list(prompt), 24, 1, 4, 4)
+        np.testing.assert_array_equal(res.tokens, plain)
+        assert res.stats.prompt_agreement is None and res.stats.verify_passes >= 1
+    res = model.generate_speculative(list(PROMPTS[0]), 24, 1, 4, 4)
+    assert res.stats.prompt_agreement is None
+    monkeypatch.undo()
+    res = model.generate_speculative(list(PROMPTS[0]), 24, 1, 4, 4)
+    assert res.stats.prompt_agreement is not None and 0.0 <= res.stats.prompt_agreement <= 1.0

@@ -62,7 +62,9 @@ def test_fused_decode_matches_naive(variant: str) -> None:
         got.append(out.logits[0])
         if cfg.exit_gate:
             assert len(out.gates) == loops
-            assert max_rel_error(torch.stack([g[0, 0] for g in out.gates]), torch.stack([r[t] for r in ref_gates])) <= 1e-4
+            assert (
+                max_rel_error(torch.stack([g[0, 0] for g in out.gates]), torch.stack([r[t] for r in ref_gates])) <= 1e-4
+            )
     assert int(cache.lengths[0]) == len(tokens)
     assert max_rel_error(torch.cat(got), ref_logits[prompt:]) <= 1e-4
 

@@ -32,6 +32,7 @@ from tinyloop.model.weights import weight_bytes
 from tinyloop.runtime.generate import GenerationStats, SamplingParams, stream_tokens
 from tinyloop.runtime.loader import load_engine, pick_device
 from tinyloop.runtime.token_exit import report_token_exit, score_with_token_exit
+from tinyloop.stochastic.weight import CrossIterRound
 
 MiB = 1 << 20
 
@@ -42,6 +43,9 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
     Token inputs are 1-D np.ndarray[int32] (lists accepted; other dtypes only when lossless).
     kv_mode ('16bit', 'int8', 'window', 'hidden', 'none') and cache_window (0 = full cache) choose the
     KV cache; left None, TINYLOOP_KV_INT8 / TINYLOOP_KV_H_MODE / TINYLOOP_DISABLE_KV_CACHE decide.
+    cross_iter_round: draw the looped INT4 weights afresh at each iteration from the file's rounding
+    channels (tinyloop-add-sign-bit), reproducibly for `cross_iter_seed`; True refuses a file without
+    channels; left None, TINYLOOP_CROSS_ITER_ROUND decides (and a file without channels runs as is).
     """
 
     def __init__(
@@ -53,6 +57,8 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
         dtype: torch.dtype | None = None,
         kv_mode: str | None = None,
         cache_window: int | None = None,
+        cross_iter_round: bool | None = None,
+        cross_iter_seed: int = 0,
     ) -> None:
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
@@ -61,7 +67,9 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
         self.env = RuntimeEnv.read()
         self._init_caching(self.env, kv_mode, cache_window)
         self.device = pick_device(device)
-        self.header, self._engine = load_engine(self.path, self.device, dtype)
+        round_on = self.env.cross_iter_round if cross_iter_round is None else bool(cross_iter_round)
+        rounding = CrossIterRound(cross_iter_seed, require_channels=cross_iter_round is True)
+        self.header, self._engine = load_engine(self.path, self.device, dtype, rounding if round_on else None)
         cfg = self.header.config
         if max_seq_len > cfg.max_position:
             log.info(f"max_seq_len {max_seq_len} capped at the model's maximum position {cfg.max_position}")
@@ -127,6 +135,12 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
         total += self._handle_bytes()
         # One decode step's live activations: hidden states, qkv, MLP, logits (float32 upper bound).
         total += 4 * (4 * cfg.d_model + cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.ffn_dim + cfg.vocab_size)
+        # CUDA: what the captured decode graphs and the scoring scratch cache hold, as allocated.
+        decoder = self._engine.decoder
+        total += getattr(decoder, "graph_bytes", 0)
+        scratch = getattr(decoder, "_scratch", None)
+        if scratch is not None:
+            total += scratch.nbytes
         return total / MiB
 
     # ---- argument checks ----------------------------------------------------------------------

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from tinyloop.api.decoding import grammar_index, model_vocab
+from tinyloop.api.decoding import (
+    depth_schedule,
+    finish_stream,
+    grammar_index,
+    model_vocab,
+    stop_string_list,
+    stop_token_set,
+)
+from tinyloop.cache.factory import KVModeChoice
 from tinyloop.format.header import ModelHeader
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.generate import SamplingParams
@@ -17,8 +26,8 @@ from tinyloop.runtime.speculative import SpecConfig, SpeculativeStats, speculati
 
 @dataclass(frozen=True)
 class SpeculativeResult:
-    """tokens: the new ids (np.int32); stats: drafted/accepted counts, verify passes, timings, and
-    finished (False when a grammar was left in a non-accepting state at max_tokens)."""
+    """tokens: the new ids (np.int32); stats: drafted/accepted counts, verify passes, timings, stop_reason
+    (as GenerationStats) and finished (False when a grammar was left in a non-accepting state at max_tokens)."""
 
     tokens: np.ndarray
     stats: SpeculativeStats
@@ -37,12 +46,14 @@ class SpeculativeResult:
 
 
 class SpeculativeMixin:
-    """Needs `header`, `_engine`, `max_seq_len`, `_check_open`, `_tokens`, `_generation_cache` and
+    """Needs `header`, `_engine`, `kv`, `max_seq_len`, `_check_open`, `_tokens`, `_generation_cache` and
     `_sampling_params` from the Model."""
 
     header: ModelHeader
     _engine: Engine
     max_seq_len: int
+    kv: KVModeChoice
+    last_speculative_stats: SpeculativeStats
 
     def _check_open(self) -> None:
         raise NotImplementedError
@@ -59,6 +70,63 @@ class SpeculativeMixin:
     def _sampling_params(self, max_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> SamplingParams:
         raise NotImplementedError
 
+    def generate_speculative_stream(
+        self,
+        prompt: Any,
+        max_tokens: int = 50,
+        draft_loops: int = 2,
+        verify_loops: int = 8,
+        draft_ahead: int = 4,
+        temperature: float = 0.0,
+        top_k: int = 50,
+        top_p: float = 0.9,
+        seed: int | None = None,
+        adaptive: bool = True,
+        *,
+        grammar: Any = None,
+        stop_tokens: Any = None,
+        stop: Any = None,
+        l_warmup_tokens: int = 0,
+        l_warmup_loops: int = 2,
+        text: bool = False,
+    ) -> Iterator[Any]:
+        """generate_speculative one token at a time (ids, or StreamPiece(token, text) with text=True, as
+        generate_stream); `last_speculative_stats` fills in as it runs. Closing the iterator ends generation."""
+        self._check_open()
+        ids = self._tokens(prompt, "prompt")
+        params = self._sampling_params(max_tokens, temperature, top_k, top_p, seed)
+        for name, value in (("draft_loops", draft_loops), ("verify_loops", verify_loops), ("draft_ahead", draft_ahead)):
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if draft_loops >= verify_loops:
+            raise ValueError(f"draft_loops ({draft_loops}) must be smaller than verify_loops ({verify_loops})")
+        if ids.numel() + max_tokens > self.max_seq_len:
+            raise ValueError(
+                f"prompt ({ids.numel()} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len {self.max_seq_len}"
+            )
+        if self.kv.mode == "window":
+            raise ValueError(
+                f"speculative decoding cannot use a sliding-window KV cache (cache_window={self.kv.window}): "
+                "rejected drafts are rolled back, but the ring has already overwritten the positions they "
+                "replaced; use cache_window=0"
+            )
+        cfg = self.header.config
+        stops = stop_token_set(stop_tokens, cfg.vocab_size)
+        stop_strings = stop_string_list(stop)
+        schedule = depth_schedule(l_warmup_tokens, l_warmup_loops, int(verify_loops))
+        cache = self._generation_cache(int(verify_loops))
+        if cache is None:
+            raise ValueError("speculative decoding needs a KV cache (unset TINYLOOP_DISABLE_KV_CACHE / kv_mode 'none')")
+        vocab = model_vocab(cfg, self._tokenizer_json()) if grammar is not None or stop_strings or text else None
+        index = grammar_index(grammar, vocab, self._engine.device) if vocab is not None else None
+        spec = SpecConfig(int(draft_loops), int(verify_loops), int(draft_ahead), bool(adaptive))
+        self.last_speculative_stats = stats = SpeculativeStats()
+        tokens = speculative_tokens(
+            self._engine, cache, ids, int(max_tokens), spec, params, stats,
+            grammar=index, stop_tokens=stops, schedule=schedule,
+        )  # fmt: skip
+        return finish_stream(tokens, vocab, stop_strings, bool(text), stats)
+
     def generate_speculative(
         self,
         prompt: Any,
@@ -73,35 +141,25 @@ class SpeculativeMixin:
         adaptive: bool = True,
         *,
         grammar: Any = None,
+        stop_tokens: Any = None,
+        stop: Any = None,
+        l_warmup_tokens: int = 0,
+        l_warmup_loops: int = 2,
     ) -> SpeculativeResult:
         """New tokens drafted at `draft_loops` and verified at `verify_loops`, with the same weights.
 
-        Greedy output equals generate(..., loops=verify_loops, temperature=0); with temperature > 0 drafts
-        are accepted by rejection sampling, so the output is distributed as plain sampling at verify_loops
-        (same temperature/top_k/top_p). adaptive: the draft length grows after fully accepted rounds,
-        shrinks after rejections, and speculation pauses for plain steps while it would be slower.
+        Greedy output equals generate(..., loops=verify_loops, temperature=0) with the same grammar,
+        stop_tokens, stop strings and depth schedule (l_warmup_tokens / l_warmup_loops: the warm-up steps
+        run plain and shallow, speculation starts after them); with temperature > 0 drafts are accepted
+        by rejection sampling, so the output is distributed as plain sampling at verify_loops (same
+        temperature/top_k/top_p). adaptive: the draft length grows after fully accepted rounds, shrinks
+        after rejections, and speculation pauses for plain steps while it would be slower. Needs a
+        rewindable KV cache (not cache_window > 0).
         """
-        self._check_open()
-        ids = self._tokens(prompt, "prompt")
-        params = self._sampling_params(max_tokens, temperature, top_k, top_p, seed)
-        for name, value in (("draft_loops", draft_loops), ("verify_loops", verify_loops), ("draft_ahead", draft_ahead)):
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if draft_loops >= verify_loops:
-            raise ValueError(f"draft_loops ({draft_loops}) must be smaller than verify_loops ({verify_loops})")
-        if ids.numel() + max_tokens > self.max_seq_len:
-            raise ValueError(
-                f"prompt ({ids.numel()} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len {self.max_seq_len}"
-            )
-        cache = self._generation_cache(int(verify_loops))
-        if cache is None:
-            raise ValueError("speculative decoding needs a KV cache (unset TINYLOOP_DISABLE_KV_CACHE / kv_mode 'none')")
-        index = None
-        if grammar is not None:
-            vocab = model_vocab(self.header.config, self._tokenizer_json())
-            index = grammar_index(grammar, vocab, self._engine.device)
-        spec = SpecConfig(int(draft_loops), int(verify_loops), int(draft_ahead), bool(adaptive))
-        stats = SpeculativeStats()
-        stream = speculative_tokens(self._engine, cache, ids, int(max_tokens), spec, params, stats, grammar=index)
+        stream = self.generate_speculative_stream(
+            prompt, max_tokens, draft_loops, verify_loops, draft_ahead, temperature, top_k, top_p, seed, adaptive,
+            grammar=grammar, stop_tokens=stop_tokens, stop=stop, l_warmup_tokens=l_warmup_tokens,
+            l_warmup_loops=l_warmup_loops,
+        )  # fmt: skip
         tokens = np.fromiter(stream, dtype=np.int32)
-        return SpeculativeResult(tokens, stats)
+        return SpeculativeResult(tokens, self.last_speculative_stats)

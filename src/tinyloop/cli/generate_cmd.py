@@ -19,6 +19,7 @@ def build_parser() -> Parser:
     p.add_argument("--top-p", type=probability, default=1.0, help="nucleus mass in (0, 1] (default: 1.0)")
     p.add_argument("--seed", type=non_negative_int, default=None, help="makes sampling repeatable")
     p.add_argument("--cache-window", type=non_negative_int, default=0, help="sliding KV window, 0 = full cache")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="end before this text (repeatable)")
     p.add_argument("--l-warmup-tokens", type=non_negative_int, default=0, help="first N decode steps run shallower")
     p.add_argument("--l-warmup-L", type=positive_int, default=2, help="loops during the warm-up steps (default: 2)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
@@ -31,10 +32,12 @@ def run_generate(path: str, argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.l_warmup_tokens and args.l_warmup_L > args.loops:
         raise CliError(f"--l-warmup-L ({args.l_warmup_L}) must not exceed --loops ({args.loops})")
+    if args.stop is not None and not all(args.stop):
+        raise CliError("--stop must not be empty")
     grammar = build_grammar(args)
     if is_text_model(path):  # an embedded tokenizer: text prompts, family exits (cli/text_generate.py)
-        if args.l_warmup_tokens or grammar is not None:
-            raise CliError("--l-warmup-tokens, --regex and --json-schema need a byte-vocabulary model for now")
+        if args.l_warmup_tokens or grammar is not None or args.stop:
+            raise CliError("--l-warmup-tokens, --regex, --json-schema and --stop need a byte-vocabulary model for now")
         return run_text_generate(path, args, argv)
     prompt = args.prompt.encode("utf-8")
     if not prompt:
@@ -59,7 +62,7 @@ def run_generate(path: str, argv: list[str]) -> int:
         out.flush()
         stream = model.generate_stream(
             list(prompt), args.max_tokens, args.loops, args.temperature, args.top_k, args.top_p, args.seed,
-            grammar=grammar, l_warmup_tokens=args.l_warmup_tokens, l_warmup_loops=args.l_warmup_L,
+            grammar=grammar, stop=args.stop, l_warmup_tokens=args.l_warmup_tokens, l_warmup_loops=args.l_warmup_L,
         )  # fmt: skip
         for token in stream:
             out.write(bytes((token,)) if token < 256 else b"")

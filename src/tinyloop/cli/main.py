@@ -14,8 +14,9 @@ VERBS: dict[str, tuple[str, str]] = {
     "generate": ("tinyloop.cli.generate_cmd", "run_generate"),
     "lens": ("tinyloop.cli.lens_cmd", "run_lens"),
     "speculate": ("tinyloop.cli.speculate_cmd", "run_speculate"),
+    "benchmark": ("tinyloop.cli.benchmark_cmd", "run_benchmark"),
 }
-LATER = {"benchmark"}
+LATER: set[str] = set()
 
 USAGE = """usage: tinyloop <model> <command> [options]
 
@@ -26,6 +27,7 @@ commands:
   generate   generate a continuation of --prompt
   speculate  self-speculative decoding: draft with --draft-loops, verify with --verify-loops
   lens       the top prediction after each loop at every position (--plot FILE.png for a heatmap)
+  benchmark  latency and tokens/s of forward scoring (--decode N: cached generation) on synthetic tokens
 run `tinyloop <model> <command> --help` for a command's options."""
 
 

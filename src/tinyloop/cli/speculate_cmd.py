@@ -12,7 +12,7 @@ from tinyloop.cli.constraint_args import add_constraint_arguments, build_grammar
 
 if TYPE_CHECKING:
     from tinyloop.api.model import Model
-    from tinyloop.api.speculative import SpeculativeResult
+    from tinyloop.runtime.speculative import SpeculativeStats
 
 
 def build_parser() -> Parser:
@@ -25,8 +25,15 @@ def build_parser() -> Parser:
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 is greedy (default: 0.0)")
     p.add_argument("--top-k", type=non_negative_int, default=50, help="0 disables (default: 50)")
     p.add_argument("--top-p", type=probability, default=0.9, help="nucleus mass in (0, 1] (default: 0.9)")
-    p.add_argument("--cache-window", type=non_negative_int, default=0, help="sliding KV window, 0 = full cache")
+    p.add_argument(
+        "--cache-window", type=non_negative_int, default=0,
+        help="sliding KV window; only 0 (full cache): rejected drafts must be rolled back",
+    )  # fmt: skip
     p.add_argument("--seed", type=non_negative_int, default=None, help="makes sampling repeatable")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="end before this text (repeatable)")
+    p.add_argument("--no-stop", action="store_true", help="do not stop at an embedded tokenizer's end tokens")
+    p.add_argument("--l-warmup-tokens", type=non_negative_int, default=0, help="first N decode steps run shallower")
+    p.add_argument("--l-warmup-L", type=positive_int, default=2, help="loops during the warm-up steps (default: 2)")
     p.add_argument("--stats", action="store_true", help="acceptance, tokens per verify pass and speed-up to stderr")
     p.add_argument("--no-adaptive", action="store_true", help="always draft --draft-ahead tokens")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
@@ -40,6 +47,15 @@ def run_speculate(path: str, argv: list[str]) -> int:
         raise CliError(f"--draft-loops ({args.draft_loops}) must be smaller than --verify-loops ({args.verify_loops})")
     if not args.prompt:
         raise CliError("--prompt must not be empty")
+    if args.cache_window:
+        raise CliError(
+            f"--cache-window {args.cache_window} cannot be used with speculate: rejected drafts are rolled back, "
+            "which a sliding window cannot do; use --cache-window 0"
+        )
+    if args.l_warmup_tokens and args.l_warmup_L > args.verify_loops:
+        raise CliError(f"--l-warmup-L ({args.l_warmup_L}) must not exceed --verify-loops ({args.verify_loops})")
+    if args.stop is not None and not all(args.stop):
+        raise CliError("--stop must not be empty")
     grammar = build_grammar(args)
 
     from tinyloop.api.model import Model
@@ -55,43 +71,60 @@ def run_speculate(path: str, argv: list[str]) -> int:
         byte_model = model.header.config.tokenizer == "bytes"
         prompt = list(args.prompt.encode("utf-8")) if byte_model else model.encode(args.prompt)
         model.max_seq_len = min(len(prompt) + args.max_tokens, model.header.config.max_position)
+        # As generate: a model with an embedded tokenizer stops at its end tokens (which are not printed).
+        stop_tokens = None if byte_model or args.no_stop or not model.has_tokenizer else model.tokenizer.stop_ids
+        kwargs: dict[str, Any] = dict(
+            grammar=grammar, stop_tokens=stop_tokens, stop=args.stop, l_warmup_tokens=args.l_warmup_tokens,
+            l_warmup_loops=args.l_warmup_L,
+        )  # fmt: skip
+        out = sys.stdout.buffer
         try:
-            res = model.generate_speculative(
+            stream = model.generate_speculative_stream(
                 prompt, args.max_tokens, args.draft_loops, args.verify_loops, args.draft_ahead,
-                args.temperature, args.top_k, args.top_p, args.seed, not args.no_adaptive, grammar=grammar,
+                args.temperature, args.top_k, args.top_p, args.seed, not args.no_adaptive, text=not byte_model,
+                **kwargs,
             )  # fmt: skip
         except ValueError as exc:
             raise CliError(" ".join(str(exc).split())) from None
-        out = sys.stdout.buffer
-        if byte_model:
-            out.write(args.prompt.encode("utf-8") + bytes(t for t in res.tokens.tolist() if t < 256))
-        else:
-            out.write((args.prompt + model.decode(res.tokens)).encode("utf-8"))
+        out.write(args.prompt.encode("utf-8"))
+        out.flush()
+        tokens: list[int] = []
+        for item in stream:
+            if byte_model:
+                tokens.append(item)
+                out.write(bytes((item,)) if item < 256 else b"")
+            else:
+                tokens.append(item.token)
+                out.write(item.text.encode("utf-8"))
+            out.flush()
         out.write(b"\n")
         out.flush()
-        s = res.stats
+        s = model.last_speculative_stats
         print(
             f"prefill: {s.prefill_s * 1e3:.1f} ms ({s.prompt_tokens} tokens), decode: {s.decode_tokens_per_s:.1f} "
             f"tokens/s ({s.generated_tokens} tokens, draft {args.draft_loops} / verify {args.verify_loops} loops)",
             file=sys.stderr,
         )
         if args.stats:
-            _print_stats(model, prompt, args, res)
+            _print_stats(model, prompt, args, s, tokens, kwargs)
     return 0
 
 
-def _print_stats(model: Model, prompt: Any, args: argparse.Namespace, res: SpeculativeResult) -> None:
+def _print_stats(
+    model: Model, prompt: Any, args: argparse.Namespace, s: SpeculativeStats, tokens: list[int], kwargs: dict[str, Any]
+) -> None:
     """Acceptance figures, then a plain run at --verify-loops with the same arguments for the speed-up."""
-    s, a = res.stats, args
+    a = args
     t0 = time.perf_counter()
-    plain = model.generate(prompt, a.max_tokens, a.verify_loops, a.temperature, a.top_k, a.top_p, a.seed)
+    plain = model.generate(prompt, a.max_tokens, a.verify_loops, a.temperature, a.top_k, a.top_p, a.seed, **kwargs)
     plain_s = time.perf_counter() - t0
     speedup = plain_s / s.time_s if s.time_s > 0 else 0.0
-    same = "same tokens" if plain.tolist() == res.tokens.tolist() else "different tokens"
+    same = "same tokens" if plain.tolist() == tokens else "different tokens"
     print(
         f"speculate: acceptance {s.acceptance_rate:.1%} ({s.accepted}/{s.drafted} drafted), "
         f"{s.tokens_per_verify:.2f} tokens per verify pass ({s.verify_passes} passes), "
-        f"{s.plain_steps} plain steps, finished {s.finished}",
+        f"{s.plain_steps} plain steps, {s.warmup_steps} warm-up steps, stop {s.stop_reason}, finished {s.finished}"
+        + ("" if s.prompt_agreement is None else f", draft/verify agreement on the prompt {s.prompt_agreement:.0%}"),
         file=sys.stderr,
     )
     print(

@@ -6,13 +6,14 @@ from typing import TYPE_CHECKING, Any
 
 from tinyloop.format.checksums import corrupted_tensors
 from tinyloop.format.header import ModelHeader, TensorEntry, read_header
-from tinyloop.format.spec import FORMAT_VERSION, FORMAT_VERSION_STR, QuantInfo, TensorQuant
+from tinyloop.format.spec import CHANNEL_FORMAT_VERSION, FORMAT_VERSION, FORMAT_VERSION_STR, QuantInfo, TensorQuant
 
 if TYPE_CHECKING:
     from tinyloop.format.reader import load_weights, verify_checksums
     from tinyloop.format.writer import write_model, write_quantized
 
 __all__ = [
+    "CHANNEL_FORMAT_VERSION",
     "FORMAT_VERSION",
     "FORMAT_VERSION_STR",
     "ModelHeader",

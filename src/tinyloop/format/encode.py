@@ -8,11 +8,11 @@ from tinyloop.config import ArchConfig
 from tinyloop.format.spec import (
     DATA_ALIGNMENT,
     FORMAT_NAME,
-    FORMAT_VERSION_STR,
     QuantInfo,
     StoredSpec,
     expected_stored,
     file_order,
+    version_str,
 )
 
 PLACEHOLDER_CRC = "00000000"
@@ -41,7 +41,7 @@ class HeaderPlan:
         crcs = checksums if checksums is not None else dict.fromkeys(self.stored, PLACEHOLDER_CRC)
         metadata = {
             "format": FORMAT_NAME,
-            "format_version": FORMAT_VERSION_STR,
+            "format_version": version_str(self.quant.format_version),
             "config": self.cfg.to_json(),
             "quantization": json.dumps(self.quant.to_json_obj(), separators=(",", ":")),
             "checksums": json.dumps({n: crcs[n] for n in self.stored}, separators=(",", ":")),

@@ -12,21 +12,23 @@ from tinyloop.config import ArchConfig
 from tinyloop.errors import TinyLoopFormatError
 from tinyloop.format.spec import (
     BITS,
+    CHANNELS,
     DTYPE_SIZES,
     FLOAT_DTYPES,
     FORMAT_NAME,
-    FORMAT_VERSION,
-    FORMAT_VERSION_STR,
     GROUP_SIZES,
     KINDS,
     MAX_HEADER_BYTES,
     OPTIONAL_METADATA,
+    READ_VERSIONS,
     REQUIRED_METADATA,
     QuantInfo,
     StoredSpec,
     TensorQuant,
     expected_stored,
+    is_looped,
     kind_allowed,
+    version_str,
 )
 from tinyloop.format.tokenizer_meta import TokenizerMetaError, parse_tokenizer_meta
 from tinyloop.layout import model_specs
@@ -164,7 +166,7 @@ class _Parser:
             if not isinstance(value, str):
                 self.fail(f"metadata {key!r}", "a string", _type_name(value))
         version = self.check_identity(meta)
-        lenient = version[1] > FORMAT_VERSION[1]
+        lenient = version[1] > READ_VERSIONS[version[0]]
         missing = [k for k in REQUIRED_METADATA if k not in meta]
         if missing:
             self.fail("metadata", f"keys {list(REQUIRED_METADATA)}", f"missing {missing}")
@@ -178,7 +180,7 @@ class _Parser:
         # before expanding the layout.
         if cfg.n_layers > len(entries):
             self.fail("config", f"at most {len(entries)} layers (one per stored tensor)", f"{cfg.n_layers} layers")
-        quant = self.parse_quantization(meta["quantization"], cfg, lenient)
+        quant = self.parse_quantization(meta["quantization"], cfg, lenient, version)
         self.check_tokenizer(meta.get("tokenizer"), cfg)
         self.check_tensors(entries, expected_stored(cfg, quant))
         ordered = self.check_offsets(entries, size, data_start)
@@ -196,14 +198,16 @@ class _Parser:
         if match is None:
             self.fail("metadata 'format_version'", "'MAJOR.MINOR'", _show(raw))
         version = (int(match.group(1)), int(match.group(2)))
-        if version[0] > FORMAT_VERSION[0]:
+        newest = max(READ_VERSIONS)
+        if version[0] > newest:
+            reads = " and ".join(version_str((m, n)) for m, n in sorted(READ_VERSIONS.items()))
             self.fail(
                 "metadata 'format_version'",
-                f"major version {FORMAT_VERSION[0]} (this tinyloop reads {FORMAT_VERSION_STR}; upgrade tinyloop)",
+                f"major version at most {newest} (this tinyloop reads {reads}; upgrade tinyloop)",
                 raw,
             )
-        if version[0] < FORMAT_VERSION[0]:
-            self.fail("metadata 'format_version'", f"major version {FORMAT_VERSION[0]}", raw)
+        if version[0] not in READ_VERSIONS:
+            self.fail("metadata 'format_version'", f"major version {min(READ_VERSIONS)} to {newest}", raw)
         return version
 
     def parse_config(self, text: str) -> ArchConfig:
@@ -255,7 +259,7 @@ class _Parser:
             self.fail(what, "a JSON object", _type_name(obj))
         return obj
 
-    def parse_quantization(self, text: str, cfg: ArchConfig, lenient: bool) -> QuantInfo:
+    def parse_quantization(self, text: str, cfg: ArchConfig, lenient: bool, version: tuple[int, int]) -> QuantInfo:
         what = "metadata 'quantization'"
         obj = self.json_object(what, text)
         missing = [k for k in _QUANT_KEYS if k not in obj]
@@ -284,19 +288,29 @@ class _Parser:
         out: dict[str, TensorQuant] = {}
         for spec in specs:
             out[spec.name] = self.parse_tensor_quant(
-                tensors[spec.name], spec.name, spec.role, spec.shape, bits, lenient
+                tensors[spec.name], spec.name, spec.role, spec.shape, bits, lenient, version[0] >= 2
             )
         return QuantInfo(bits, group_size, float_dtype, out)
 
     def parse_tensor_quant(
-        self, obj: Any, name: str, role: str, shape: tuple[int, ...], bits: int, lenient: bool
+        self, obj: Any, name: str, role: str, shape: tuple[int, ...], bits: int, lenient: bool, channels: bool
     ) -> TensorQuant:
         what = f"metadata 'quantization' tensor {name!r}"
         if not isinstance(obj, dict) or "kind" not in obj or "group_size" not in obj:
             self.fail(what, "an object with keys 'kind' and 'group_size'", _show(obj))
-        if len(obj) != 2 and not lenient:
-            self.fail(what, "only keys 'kind' and 'group_size'", _show(sorted(obj)))
+        allowed = ("kind", "group_size", "channel") if channels else ("kind", "group_size")
+        if any(k not in allowed for k in obj) and not lenient:
+            hint = "" if channels else " (a rounding 'channel' needs format_version 2.0)"
+            self.fail(what, f"only keys {list(allowed)}{hint}", _show(sorted(obj)))
         kind, gs = obj["kind"], obj["group_size"]
+        channel = obj.get("channel") if channels else None
+        if channel is not None:
+            if channel not in CHANNELS:
+                self.fail(f"{what} channel", f"one of {list(CHANNELS)}", _show(channel))
+            if kind != "int4" or role != "linear" or not is_looped(name):
+                self.fail(
+                    f"{what} channel", "only on int4 looped matrices (body.* and adapter.weight)", f"kind {kind!r}"
+                )
         if kind not in KINDS:
             self.fail(f"{what} kind", f"one of {list(KINDS)}", _show(kind))
         if role == "vector" and kind != "dense":
@@ -308,7 +322,7 @@ class _Parser:
                 self.fail(f"{what} group_size", f"one of {list(GROUP_SIZES)}", _show(gs))
             if shape[1] % gs:
                 self.fail(f"{what} group_size", f"a divisor of in_features {shape[1]}", _show(gs))
-            return TensorQuant("int4", gs)
+            return TensorQuant("int4", gs, channel)
         if gs is not None:
             self.fail(f"{what} group_size", f"null for kind {kind!r}", _show(gs))
         return TensorQuant(kind)

@@ -13,6 +13,7 @@ from tinyloop.format.checksums import corrupted_tensors
 from tinyloop.format.header import ModelHeader, TensorEntry, read_header
 from tinyloop.layout import model_specs
 from tinyloop.quant import Int4Weight, Int8Weight
+from tinyloop.stochastic.weight import ChanneledInt4Weight
 
 Weight = torch.Tensor | Int8Weight | Int4Weight
 TORCH_DTYPES = {
@@ -50,7 +51,13 @@ def load_weights(
             scale = _finite(mapped, header, f"{spec.name}.scale")
             minimum = _finite(mapped, header, f"{spec.name}.min")
             packed = _view(mapped, header, f"{spec.name}.q4")
-            weights[spec.name] = Int4Weight(packed, scale, minimum, tq.group_size).to(device)
+            if tq.channel is None:
+                weights[spec.name] = Int4Weight(packed, scale, minimum, tq.group_size).to(device)
+            else:
+                # Runs as plain INT4 unless cross-iteration rounding is switched on (runtime/loader.py).
+                channel = _view(mapped, header, f"{spec.name}.{tq.channel}")
+                w4 = ChanneledInt4Weight(packed, scale, minimum, tq.group_size, channel, tq.channel)
+                weights[spec.name] = w4.to(device)
     return header, weights
 
 

@@ -9,8 +9,13 @@ from tinyloop.config import ArchConfig
 from tinyloop.layout import TensorSpec, model_specs
 
 FORMAT_NAME = "tinyloop"
+# Files without rounding channels are written as 1.0, so every reader of 1.x keeps reading them.
 FORMAT_VERSION = (1, 0)
 FORMAT_VERSION_STR = f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}"
+# Rounding channels need 2.0: a 1.x reader refuses it with "upgrade tinyloop" (docs/format.md 12).
+CHANNEL_FORMAT_VERSION = (2, 0)
+# The newest minor version this reader knows, per major version it reads.
+READ_VERSIONS = {1: 0, 2: 0}
 MAX_HEADER_BYTES = 64 * 1024 * 1024
 # The writer starts every tensor whose byte size is a multiple of this at a multiple of it.
 DATA_ALIGNMENT = 64
@@ -24,6 +29,8 @@ VECTOR_DTYPE = "F32"
 SCALE_DTYPE = "F16"
 
 Kind = Literal["dense", "int8", "int4"]
+Channel = Literal["sign", "frac4"]
+CHANNELS: tuple[Channel, ...] = ("sign", "frac4")
 KINDS: tuple[Kind, ...] = ("dense", "int8", "int4")
 # The lowest precision each `bits` value allows; a tensor may always be stored more precisely.
 _KIND_BITS = {"dense": 16, "int8": 8, "int4": 4}
@@ -35,6 +42,7 @@ class TensorQuant:
 
     kind: Kind
     group_size: int | None = None
+    channel: Channel | None = None  # a rounding channel (int4 looped matrices of a 2.0 file only)
 
 
 @dataclass(frozen=True)
@@ -52,13 +60,23 @@ class QuantInfo:
             out[tq.kind] += 1
         return out
 
+    @property
+    def has_channels(self) -> bool:
+        return any(tq.channel is not None for tq in self.tensors.values())
+
+    @property
+    def format_version(self) -> tuple[int, int]:
+        """The version a file with this quantization is written as."""
+        return CHANNEL_FORMAT_VERSION if self.has_channels else FORMAT_VERSION
+
     def to_json_obj(self) -> dict[str, object]:
-        return {
-            "bits": self.bits,
-            "group_size": self.group_size,
-            "float_dtype": self.float_dtype,
-            "tensors": {n: {"kind": t.kind, "group_size": t.group_size} for n, t in self.tensors.items()},
-        }
+        tensors: dict[str, dict[str, object]] = {}
+        for n, t in self.tensors.items():
+            entry: dict[str, object] = {"kind": t.kind, "group_size": t.group_size}
+            if t.channel is not None:
+                entry["channel"] = t.channel
+            tensors[n] = entry
+        return {"bits": self.bits, "group_size": self.group_size, "float_dtype": self.float_dtype, "tensors": tensors}
 
 
 @dataclass(frozen=True)
@@ -75,6 +93,15 @@ class StoredSpec:
         for s in self.shape:
             n *= s
         return n
+
+
+def is_looped(name: str) -> bool:
+    """Matrices applied once per loop iteration: the body's and the injection adapter."""
+    return name.startswith("body.") or name == "adapter.weight"
+
+
+def version_str(version: tuple[int, int]) -> str:
+    return f"{version[0]}.{version[1]}"
 
 
 def kind_allowed(kind: Kind, bits: int) -> bool:
@@ -123,11 +150,16 @@ def stored_specs(spec: TensorSpec, tq: TensorQuant, float_dtype: str) -> list[St
         ]
     assert tq.group_size is not None
     groups = in_f // tq.group_size
-    return [
+    out = [
         StoredSpec(f"{spec.name}.q4", "U8", (out_f, in_f // 2)),
         StoredSpec(f"{spec.name}.scale", SCALE_DTYPE, (out_f, groups)),
         StoredSpec(f"{spec.name}.min", SCALE_DTYPE, (out_f, groups)),
     ]
+    if tq.channel == "sign":
+        out.append(StoredSpec(f"{spec.name}.sign", "U8", (out_f, in_f // 8)))
+    elif tq.channel == "frac4":
+        out.append(StoredSpec(f"{spec.name}.frac4", "U8", (out_f, in_f // 2)))
+    return out
 
 
 def expected_stored(cfg: ArchConfig, quant: QuantInfo) -> dict[str, StoredSpec]:

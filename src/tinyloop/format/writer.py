@@ -20,12 +20,14 @@ from tinyloop.format.spec import (
     QuantInfo,
     StoredSpec,
     TensorQuant,
+    is_looped,
     normalize_float_dtype,
     plan_quantization,
     stored_specs,
 )
 from tinyloop.layout import TensorSpec, model_specs
 from tinyloop.quant import Int4Weight, Int8Weight, QuantizedWeight, quantize_int4, quantize_int8
+from tinyloop.stochastic.weight import ChanneledInt4Weight
 
 PROGRESS_MIN_BYTES = 50_000_000
 
@@ -134,8 +136,10 @@ def write_quantized(
     weights: Mapping[str, torch.Tensor | QuantizedWeight],
     float_dtype: str = "F16",
     progress: bool = True,
+    metadata: dict[str, str] | None = None,
 ) -> ModelHeader:
-    """Write weights as they are (e.g. what load_weights returned): INT8/INT4 objects keep their layout."""
+    """Write weights as they are (e.g. what load_weights returned): INT8/INT4 objects keep their layout,
+    rounding channels included (which makes a 2.0 file). `metadata` adds optional keys (`tokenizer`, `x-*`)."""
     problems = check_tensor_dict(cfg, weights)
     if problems:
         raise ValueError("weights do not match the config's layout: " + "; ".join(problems))
@@ -144,7 +148,11 @@ def write_quantized(
         w = weights[spec.name]
         if spec.role == "vector" and not isinstance(w, torch.Tensor):
             raise ValueError(f"{spec.name}: norms and biases must be float tensors, found {type(w).__name__}")
-        if isinstance(w, Int4Weight):
+        if isinstance(w, ChanneledInt4Weight):
+            if spec.role != "linear" or not is_looped(spec.name):
+                raise ValueError(f"{spec.name}: rounding channels are only for looped matrices (body.*, adapter)")
+            kinds[spec.name] = TensorQuant("int4", w.group_size, w.channel_kind)
+        elif isinstance(w, Int4Weight):
             kinds[spec.name] = TensorQuant("int4", w.group_size)
         elif isinstance(w, Int8Weight):
             kinds[spec.name] = TensorQuant("int8")
@@ -157,13 +165,15 @@ def write_quantized(
 
     def produce(spec: TensorSpec, tq: TensorQuant) -> list[torch.Tensor]:
         w = weights[spec.name]
+        if isinstance(w, ChanneledInt4Weight):
+            return [w.packed, w.scale, w.minimum, w.channel]
         if isinstance(w, Int4Weight):
             return [w.packed, w.scale, w.minimum]
         if isinstance(w, Int8Weight):
             return [w.q, w.scale]
         return [w.detach()]
 
-    return _write(path, cfg, quant, produce, progress)
+    return _write(path, cfg, quant, produce, progress, metadata)
 
 
 def _write(

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyloop.quant import Int4Weight, Int8Weight
+from tinyloop.stochastic.weight import StochasticInt4Weight
 
 Weight = torch.Tensor | Int8Weight | Int4Weight
 LinearKernel = Callable[[torch.Tensor, Weight], torch.Tensor]
@@ -20,6 +21,8 @@ _LINEAR_KERNELS: dict[tuple[str, str], LinearKernel] = {}
 
 
 def weight_kind(w: Weight) -> str:
+    if isinstance(w, StochasticInt4Weight):
+        return "int4_stoch"  # the fallback's dequantize() draws the iteration's effective weight
     if isinstance(w, Int4Weight):
         return "int4"
     if isinstance(w, Int8Weight):

@@ -12,6 +12,7 @@ from tinyloop.config import ArchConfig
 from tinyloop.kernels.dispatch import embedding, linear
 from tinyloop.model.layers import StepContext, layer, norm
 from tinyloop.model.weights import ModelWeights
+from tinyloop.stochastic.bind import at_iteration
 
 
 @dataclass
@@ -71,6 +72,7 @@ def loop_iteration(
     w: ModelWeights, cfg: ArchConfig, state: torch.Tensor, prelude_out: torch.Tensor, ctx: StepContext, loop: int
 ) -> torch.Tensor:
     """One pass of the shared body (iteration index `loop`, 0-based)."""
+    w = at_iteration(w, loop)  # cross-iteration rounding draws each iteration's own looped weights
     if cfg.injection == "add":
         x = state + prelude_out
     elif cfg.injection == "concat":

@@ -31,4 +31,22 @@ class Decoder(Protocol):
 
 def select_decoder(engine: Engine) -> Decoder | None:
     """The decoder for this engine, or None for the generic forward everywhere."""
+    if engine.device.type == "cpu":
+        from tinyloop.runtime import cpu_decode
+
+        if not cpu_decode.supports(engine.cfg, engine.weights, engine.device, engine.dtype):
+            return None
+        return cpu_decode.CpuDecoder(engine.cfg, engine.weights, engine.cos, engine.sin, engine.noise)
+    from tinyloop.stochastic.bind import has_cross_iter
+
+    if has_cross_iter(engine.weights):  # each iteration draws its own weights: only the generic path does
+        return None
+    if engine.device.type == "cuda":
+        from tinyloop.kernels.cuda_backend import triton_available
+
+        if not triton_available():
+            return None
+        from tinyloop.runtime.fused_decode import FusedDecoder
+
+        return FusedDecoder(engine)
     return None

@@ -9,6 +9,7 @@ import torch
 
 from tinyloop.cache.kv import KVCache
 from tinyloop.cache.slots import body_slot
+from tinyloop.cache.window import WindowKVCache
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,11 @@ class DepthSchedule:
     into the body slots of every iteration it skipped, so later full-depth tokens attend, at iteration
     t, to K/V that are exact by this rule. Positions decoded at full depth are untouched (== plain).
     The coda K/V of a shallow position come from its shallow exit state, as computed.
+
+    Works with every positional KV mode and with the sliding window (cache_window > 0), where the copy
+    is made in the ring entry that holds the position; with the window, later tokens see a shallow
+    position only while it is inside their window, as for any other position. With speculative
+    decoding the warm-up steps are plain shallow steps and speculation starts after them.
     """
 
     warmup_tokens: int = 0
@@ -38,9 +44,19 @@ def fill_skipped_iterations(cache: Any, ran: int, loops: int, start: int, end: i
     cfg = cache.cfg
     src = [body_slot(cfg, ran - 1, j) for _ in range(ran, loops) for j in range(cfg.n_body)]
     dst = [body_slot(cfg, t, j) for t in range(ran, loops) for j in range(cfg.n_body)]
-    for buf, axis in _position_buffers(cache):
-        span = buf.narrow(axis, start, end - start)
-        span[dst] = span[src]
+    if isinstance(cache, WindowKVCache):
+        if end - start > cache.window:
+            raise ValueError(f"cannot fill {end - start} positions in a sliding window of {cache.window}")
+        # Position p lives at ring index p % window (every slot holds the same positions).
+        spans = [(p % cache.window, 1) for p in range(start, end)]
+        buffers = [(cache.k, 3), (cache.v, 3)]
+    else:
+        spans = [(start, end - start)]
+        buffers = _position_buffers(cache)
+    for buf, axis in buffers:
+        for index, length in spans:
+            span = buf.narrow(axis, index, length)
+            span[dst] = span[src]
 
 
 def _position_buffers(cache: Any) -> list[tuple[torch.Tensor, int]]:
@@ -50,4 +66,5 @@ def _position_buffers(cache: Any) -> list[tuple[torch.Tensor, int]]:
         return list(positional().values())
     if isinstance(cache, KVCache):
         return [(cache.k, 3), (cache.v, 3)]
-    raise ValueError(f"a depth schedule needs a positional KV cache; {type(cache).__name__} is not one")
+    name = type(cache).__name__
+    raise ValueError(f"a depth schedule needs a positional or sliding-window KV cache; {name} is neither")

@@ -7,12 +7,18 @@ from pathlib import Path
 
 import torch
 
+from tinyloop.config import ArchConfig
+from tinyloop.env import RuntimeEnv
 from tinyloop.format.header import ModelHeader, read_header
 from tinyloop.format.reader import load_weights
+from tinyloop.kernels import cuda_backend
 from tinyloop.kernels.dispatch import Weight
+from tinyloop.log import info
 from tinyloop.model.weights import ModelWeights
 from tinyloop.quant import Int4Weight, Int8Weight
-from tinyloop.runtime.engine import Engine
+from tinyloop.runtime.engine import Engine, cpu_threads_for
+from tinyloop.stochastic.bind import stochastic_weights
+from tinyloop.stochastic.weight import CrossIterRound
 
 
 def pick_device(device: str | torch.device | None) -> torch.device:
@@ -29,34 +35,108 @@ def pick_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def default_dtype(device: torch.device) -> torch.dtype:
-    return torch.float32 if device.type == "cpu" else torch.bfloat16
+# Models up to this width compute in float32 on CUDA: their decode steps are bound by launches, not by
+# activation bytes, so float32 costs nothing there and keeps GPU results equal to the CPU's.
+FLOAT32_MAX_WIDTH = 1024
 
 
-def prepare_weights(flat: Mapping[str, Weight], device: torch.device, dtype: torch.dtype) -> dict[str, Weight]:
-    """Dense tensors in the compute dtype on the device.
+def default_dtype(device: torch.device, cfg: ArchConfig | None = None) -> torch.dtype:
+    if device.type == "cpu" or (cfg is not None and cfg.d_model <= FLOAT32_MAX_WIDTH):
+        return torch.float32
+    return torch.bfloat16
 
-    Quantized matrices are dequantized once here: on CPU a dense GEMM beats dequantizing every call.
+
+def prepare_weights(
+    flat: Mapping[str, Weight],
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    keep_int4: bool = False,
+    dense_body: bool = False,
+) -> dict[str, Weight]:
+    """Weights on the device, ready for the kernels.
+
+    CPU (default): quantized matrices are dequantized once here — a dense GEMM beats dequantizing every
+    call. keep_int4 (CUDA): INT4 matrices stay packed for the Triton kernels, except the looped body's
+    when dense_body (TINYLOOP_EXPERIMENTAL_FP16_BODY) asks for it in the 16-bit compute dtype.
     Vectors (norms, biases, gate) stay float32: they are tiny and precision matters there.
     """
+    # One CPU thread: the work is memory-bound, and a thread pool on a busy machine costs seconds here.
+    with cpu_threads_for(device, 1):
+        return _prepare(flat, device, dtype, keep_int4=keep_int4, dense_body=dense_body)
+
+
+def _prepare(
+    flat: Mapping[str, Weight], device: torch.device, dtype: torch.dtype, *, keep_int4: bool, dense_body: bool
+) -> dict[str, Weight]:
     out: dict[str, Weight] = {}
     for name, w in flat.items():
+        if isinstance(w, Int4Weight) and keep_int4 and not (dense_body and name.startswith("body.")):
+            out[name] = w.to(device)
+            continue
+        if device.type == "cpu" and dtype == torch.float32 and type(w) is Int4Weight and name != "embed.weight":
+            out[name] = dequantize_int4_cpu(w)
+            continue
         if isinstance(w, (Int4Weight, Int8Weight)):
             dense = w.to(device).dequantize(dtype)
         elif w.dim() == 1 or name.startswith("exit_gate."):
             dense = w.to(device=device, dtype=torch.float32)
         else:
             dense = w.to(device=device, dtype=dtype)
-        if device.type == "cpu" and name != "embed.weight" and dense.dim() == 2:
-            # Same [out, in] tensor, stored input-major: CPU BLAS streams it faster (~1.3x for one row).
+        if device.type == "cpu" and name != "embed.weight" and dense.dim() == 2 and dense.shape[0] >= dense.shape[1]:
+            # Same [out, in] tensor, stored input-major: CPU BLAS streams it faster for one row (~1.3x), unless
+            # it has more inputs than outputs (then the row-major layout is faster: ~1.6x for 1024 -> 384).
             dense = dense.t().contiguous().t()
         out[name] = dense
     return out
 
 
-def load_engine(path: str | Path, device: torch.device, dtype: torch.dtype | None = None) -> tuple[ModelHeader, Engine]:
+def dequantize_int4_cpu(w: Int4Weight) -> torch.Tensor:
+    """w.dequantize(float32), bit for bit, in the CPU layout of `_prepare` (input-major unless in > out)."""
+    out_f, half = w.packed.shape
+    if out_f < 2 * half:  # more inputs than outputs: row-major
+        q = torch.stack((w.packed & 0x0F, w.packed >> 4), dim=-1).to(torch.float32)  # [out, in/2, 2] = [out, in]
+        groups = q.view(out_f, -1, w.group_size)  # [out, in/G, G]
+        groups.mul_(w.scale.to(torch.float32)[..., None]).add_(w.minimum.to(torch.float32)[..., None])
+        return q.view(out_f, 2 * half)
+    packed = w.packed.t().contiguous()  # [in/2, out]
+    # [in/2, 2, out] = [in, out]: input 2k is byte k's low nibble, 2k + 1 its high nibble.
+    q = torch.stack((packed & 0x0F, packed >> 4), dim=1).to(torch.float32)
+    groups = q.view(-1, w.group_size, out_f)  # [in/G, G, out]
+    groups.mul_(w.scale.t().to(torch.float32)[:, None, :]).add_(w.minimum.t().to(torch.float32)[:, None, :])
+    return q.view(2 * half, out_f).t()
+
+
+def load_engine(
+    path: str | Path, device: torch.device, dtype: torch.dtype | None = None, cross_iter: CrossIterRound | None = None
+) -> tuple[ModelHeader, Engine]:
     header = read_header(path)
     _, flat = load_weights(path, device="cpu", header=header)
-    compute = dtype or default_dtype(device)
-    weights = ModelWeights.from_flat(header.config, prepare_weights(flat, device, compute))
+    compute = dtype or default_dtype(device, header.config)
+    # Stochastic matrices stay quantized: each loop iteration draws its own effective weight.
+    kept = stochastic_weights(header.config, flat, cross_iter, device, path) if cross_iter is not None else {}
+    cuda_env = RuntimeEnv.read() if device.type == "cuda" else None
+    kernels = cuda_env is not None and cuda_backend.install(cuda_env)
+    dense = prepare_weights(
+        {n: w for n, w in flat.items() if n not in kept}, device, compute,
+        keep_int4=kernels, dense_body=cuda_env is not None and cuda_env.fp16_body,
+    )  # fmt: skip
+    if cuda_env is not None:
+        report_cuda_memory(dense, cuda_env)
+    weights = ModelWeights.from_flat(header.config, {**dense, **kept})
     return header, Engine(header.config, weights, device, compute)
+
+
+def report_cuda_memory(weights: Mapping[str, Weight], env: RuntimeEnv) -> None:
+    """Level-1 lines: weight VRAM (and the 16-bit body's extra cost) and whether the body fits in L2."""
+
+    def nbytes(w: Weight) -> int:
+        return w.nbytes if isinstance(w, (Int4Weight, Int8Weight)) else w.numel() * w.element_size()
+
+    total = sum(nbytes(w) for w in weights.values())
+    body = sum(nbytes(w) for n, w in weights.items() if n.startswith("body."))
+    note = " (body dequantized to 16 bits: TINYLOOP_EXPERIMENTAL_FP16_BODY)" if env.fp16_body else ""
+    info(f"weights on GPU: {total / 2**20:.1f} MiB, looped body {body / 2**20:.1f} MiB{note}")
+    l2 = cuda_backend.l2_cache_bytes()
+    fits = "fits" if body <= l2 else "does not fit"
+    info(f"L2 residency: body {body / 2**20:.1f} MiB {fits} in the {l2 / 2**20:.0f} MiB L2")

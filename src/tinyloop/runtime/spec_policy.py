@@ -9,15 +9,29 @@ from tinyloop.config import ArchConfig
 # deterministic, so a seeded run repeats exactly.
 STEP_OVERHEAD_LAYERS = 2.0
 EXTRA_TOKEN_COST = 0.15
+# Plain steps between probe rounds while speculation does not pay: a short first pause (one unlucky round
+# on a good workload costs little), then long ones that double up to the cap.
+BACKOFF_STEPS = (8, 64)
+BACKOFF_CAP = 512
+# The most prompt positions the prefill's agreement estimate counts as (see prime).
+PRIOR_POSITIONS = 8.0
 
 
 class DraftPolicy:
     """Chooses how many tokens to draft next (0: take a plain full-depth step instead).
 
-    The draft length grows by one after a fully accepted round and shrinks after a rejection. The
-    per-token acceptance rate is tracked (decayed counts); when a layer-pass cost model says that even the
-    best draft length would cost more per token than plain decoding, speculation pauses for a back-off
-    of plain steps (8, doubling up to 128 while it stays unprofitable) and then probes again.
+    Adaptive: the prefill measures how often the draft and verify depths agree over the prompt (prime);
+    without that estimate the first round drafts one token (the cheapest probe). The draft length doubles
+    after each fully accepted round up to `draft_ahead`, then grows by one up to 2 x draft_ahead, and
+    shrinks to one past the accepted count after a rejection. The per-token acceptance rate is tracked (decayed
+    counts); when a layer-pass cost model says that even the best draft length would cost more per token
+    than plain decoding, speculation pauses for plain steps (8, then 64, doubling up to 512 while it stays
+    unprofitable) and then probes again with a one-token draft. A probe that is accepted is followed by
+    a normal round; a round the cost model finds profitable resets the pauses to 8. On a workload whose
+    drafts are always rejected (and were on the prompt) decoding starts plain and probes once per pause:
+    after 64 tokens, 128 more, and so on.
+
+    Not adaptive: always `draft_ahead` tokens.
     """
 
     def __init__(self, cfg: ArchConfig, draft_loops: int, verify_loops: int, draft_ahead: int, adaptive: bool):
@@ -25,20 +39,41 @@ class DraftPolicy:
         self.draft_loops = draft_loops
         self.verify_loops = verify_loops
         self.adaptive = adaptive
-        self.k = draft_ahead
+        self.draft_ahead = draft_ahead
+        self.k = 1 if adaptive else draft_ahead
         self.k_max = 2 * draft_ahead if adaptive else draft_ahead
         self._accepted = 0.0
         self._rejected = 0.0
         self._plain_left = 0
-        self._backoff = 8
+        self._pauses = 0  # consecutive unprofitable pauses so far (indexes the back-off lengths)
+        self.probing = False  # the next round is a probe after a pause
+
+    def prime(self, agreement: float, positions: int) -> None:
+        """Start from the draft/verify agreement measured over `positions` prompt positions (weighted as
+        at most PRIOR_POSITIONS tokens, so live rounds soon outweigh it). Where speculation would not pay,
+        decoding starts plain (a pause of 8 steps after a short prompt, 64 after a longer one); where it
+        would, the first round drafts `draft_ahead` tokens instead of probing with one."""
+        if not self.adaptive or positions <= 0:
+            return
+        n = min(float(positions), PRIOR_POSITIONS)
+        self._accepted, self._rejected = agreement * n, (1.0 - agreement) * n
+        if self.best_cost_per_token() <= self.plain_cost():
+            self.k = self.draft_ahead
+        else:
+            self._pauses = 1 if positions >= PRIOR_POSITIONS else 0
+            self._plain_left = self.backoff_steps(self._pauses)
+            self._pauses += 1
 
     def next_k(self, remaining: int) -> int:
         if remaining <= 1:
             return 0
         if self._plain_left > 0:
             self._plain_left -= 1
+            if self._plain_left == 0:
+                self.probing = True
             return 0
-        return min(self.k, remaining - 1)
+        k = 1 if self.probing else self.k
+        return min(k, remaining - 1)
 
     @property
     def acceptance(self) -> float:
@@ -50,12 +85,23 @@ class DraftPolicy:
             return
         self._accepted = 0.8 * self._accepted + accepted
         self._rejected = 0.8 * self._rejected + (accepted < drafted)
-        self.k = min(self.k + 1, self.k_max) if accepted == drafted else max(1, min(self.k - 1, accepted + 1))
-        if self.best_cost_per_token() > self.plain_cost():
-            self._plain_left = self._backoff
-            self._backoff = min(2 * self._backoff, 128)
+        if accepted == drafted:
+            self.k = min(2 * self.k, self.draft_ahead) if self.k < self.draft_ahead else min(self.k + 1, self.k_max)
         else:
-            self._backoff = 8
+            self.k = max(1, min(self.k - 1, accepted + 1))
+        probe, self.probing = self.probing, False
+        if self.best_cost_per_token() <= self.plain_cost():
+            self._pauses = 0
+        elif not (probe and accepted == drafted):  # an accepted probe earns one normal round first
+            self._plain_left = self.backoff_steps(self._pauses)
+            self._pauses += 1
+
+    @staticmethod
+    def backoff_steps(pauses: int) -> int:
+        """Plain steps of the pause that follows `pauses` earlier consecutive pauses."""
+        if pauses < len(BACKOFF_STEPS):
+            return BACKOFF_STEPS[pauses]
+        return min(BACKOFF_STEPS[-1] << (pauses - len(BACKOFF_STEPS) + 1), BACKOFF_CAP)
 
     def plain_cost(self) -> float:
         c = self.cfg

@@ -10,6 +10,12 @@ A round at cache length P with pending token x (sampled, not yet in the cache):
    later token attends to exactly what plain full-depth decoding would have stored.
 3. Accept (greedy match or rejection sampling), add the correction or bonus token, and truncate the cache
    to the verified positions (exact rollback: entries past `lengths` are never read).
+
+Stop tokens end generation exactly where plain decoding would: a drafted stop token ends the draft (the
+verifier then picks that position's token itself), and a committed stop token ends the stream (it is not
+yielded). A depth schedule's warm-up steps are plain shallow steps (nothing to speculate at that depth);
+speculation starts after them and stays exact, because drafts and verification read the warm-up
+positions' filled slots just as plain full-depth steps do.
 """
 
 from __future__ import annotations
@@ -22,11 +28,16 @@ import torch
 
 from tinyloop.cache.base import StepCache
 from tinyloop.grammar.index import TokenIndex
+from tinyloop.runtime.depth_schedule import DepthSchedule, fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.generate import SamplingParams, TokenPicker
 from tinyloop.runtime.sampling import filtered_probs
 from tinyloop.runtime.spec_accept import accept_draft, normalized
 from tinyloop.runtime.spec_policy import DraftPolicy
+
+# The adaptive policy's first estimate of the acceptance rate comes from the prefill when its logits at
+# every prompt position (prompt length x vocabulary) stay within this many values; else from a probe round.
+PREFILL_ESTIMATE_LOGITS = 1 << 22
 
 
 @dataclass
@@ -38,6 +49,8 @@ class SpeculativeStats:
     verify_passes: int = 0
     spec_tokens: int = 0  # tokens committed by verify passes (accepted + corrections + bonuses)
     plain_steps: int = 0  # full-depth single steps taken instead of speculating (adaptive fall-back)
+    warmup_steps: int = 0  # shallow single steps of a depth schedule's warm-up
+    prompt_agreement: float | None = None  # draft/verify agreement over the prompt (adaptive policy's prior)
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -79,14 +92,17 @@ def speculative_tokens(
     stats: SpeculativeStats | None = None,
     *,
     grammar: TokenIndex | None = None,
+    stop_tokens: frozenset[int] = frozenset(),
+    schedule: DepthSchedule | None = None,
 ) -> Iterator[int]:
-    """Yield up to max_tokens committed ids, distributed as plain decoding at spec.verify_loops."""
+    """Yield up to max_tokens committed ids, distributed as plain decoding at spec.verify_loops (with the
+    same grammar, stop tokens and depth schedule: see stream_tokens)."""
     stats = stats if stats is not None else SpeculativeStats()
     stats.prompt_tokens = int(prompt.numel())
-    picker = TokenPicker(params, grammar, frozenset())
+    picker = TokenPicker(params, grammar, stop_tokens)
     t0 = time.perf_counter()
     try:
-        yield from _rounds(engine, cache, prompt, max_tokens, spec, picker, stats)
+        yield from _rounds(engine, cache, prompt, max_tokens, spec, picker, stats, schedule)
     except GeneratorExit:
         stats.stop_reason = stats.stop_reason or "closed"
         raise
@@ -103,44 +119,99 @@ def _rounds(
     spec: SpecConfig,
     picker: TokenPicker,
     stats: SpeculativeStats,
+    schedule: DepthSchedule | None,
 ) -> Iterator[int]:
     if max_tokens == 0 or picker.done():
         stats.stop_reason = "max_tokens" if max_tokens == 0 else "grammar_end"
         return
     t = time.perf_counter()
     cache.truncate(0)
-    logits = engine.step(prompt.to(torch.long).view(1, -1), cache, spec.verify_loops, last_only=True).logits
-    assert logits is not None
-    pending = picker.pick(logits[0, -1])
-    assert pending is not None
+    policy = DraftPolicy(engine.cfg, spec.draft_loops, spec.verify_loops, spec.draft_ahead, spec.adaptive)
+    ids = prompt.to(torch.long).view(1, -1)
+    if spec.adaptive and ids.shape[1] * engine.cfg.vocab_size <= PREFILL_ESTIMATE_LOGITS:
+        last, agreement = _split_prefill(engine, cache, ids, spec, picker.params)
+        policy.prime(agreement, ids.shape[1])
+        stats.prompt_agreement = agreement
+    else:
+        logits = engine.step(ids, cache, spec.verify_loops, last_only=True).logits
+        assert logits is not None
+        last = logits[0, -1]
+    first = picker.pick(last)
     stats.prefill_s = time.perf_counter() - t
+    if first is None:
+        stats.stop_reason = "stop_token"
+        return
+    pending = first
     stats.generated_tokens = 1
     yield pending
-    policy = DraftPolicy(engine.cfg, spec.draft_loops, spec.verify_loops, spec.draft_ahead, spec.adaptive)
+    warmup = schedule.warmup_tokens if schedule is not None else 0
     while stats.generated_tokens < max_tokens:
         if picker.done():
             stats.stop_reason = "grammar_end"
             return
-        k = policy.next_k(max_tokens - stats.generated_tokens)
-        if k == 0:
+        step = stats.generated_tokens  # the decode step that would produce the next token (1-based)
+        stopped = False
+        if schedule is not None and step <= warmup:
             t = time.perf_counter()
-            logits = engine.step(torch.tensor([[pending]]), cache, spec.verify_loops, last_only=True).logits
-            assert logits is not None
-            token = picker.pick(logits[0, -1])
-            assert token is not None
+            token = _plain_step(engine, cache, pending, schedule.loops_for(step, spec.verify_loops), spec, picker)
+            stats.plain_s += time.perf_counter() - t
+            stats.warmup_steps += 1
+            new, stopped = ([], True) if token is None else ([token], False)
+        elif (k := policy.next_k(max_tokens - stats.generated_tokens)) == 0:
+            t = time.perf_counter()
+            token = _plain_step(engine, cache, pending, spec.verify_loops, spec, picker)
             stats.plain_s += time.perf_counter() - t
             stats.plain_steps += 1
-            new = [token]
+            new, stopped = ([], True) if token is None else ([token], False)
         else:
-            new = _speculate(engine, cache, pending, k, spec, picker, stats, policy)
+            new, stopped = _speculate(engine, cache, pending, k, spec, picker, stats, policy)
         for token in new:
             stats.generated_tokens += 1
             yield token
+        if stopped:
+            stats.stop_reason = "stop_token"
+            return
         if not new:  # the grammar ended inside the round
             stats.stop_reason = "grammar_end"
             return
         pending = new[-1]
     stats.stop_reason = "max_tokens"
+
+
+def _split_prefill(
+    engine: Engine, cache: StepCache, ids: torch.Tensor, spec: SpecConfig, params: SamplingParams
+) -> tuple[torch.Tensor, float]:
+    """The prefill in two passes, draft_loops then the rest resumed from the drafted state (the cache ends
+    as after a plain prefill, exactly as verification leaves it), giving both depths' predictions at every
+    prompt position for free but a coda and head pass. Returns the last position's logits at verify
+    depth and how often the two depths agree over the prompt: the rate at which drafts would be accepted
+    there (greedy: same argmax; sampling: the overlap sum(min(p, q)) of the tempered distributions)."""
+    draft = engine.step(ids, cache, spec.draft_loops)
+    assert draft.logits is not None and draft.loop_state is not None and draft.prelude_out is not None
+    resume = (draft.loop_state, draft.prelude_out)
+    full = engine.step(ids, cache, spec.verify_loops, start=torch.zeros(1, dtype=torch.long), resume=resume,
+                       start_loop=spec.draft_loops).logits  # fmt: skip
+    assert full is not None
+    q, p = draft.logits[0].float(), full[0].float()
+    if params.temperature == 0.0:
+        agreement = float((q.argmax(-1) == p.argmax(-1)).float().mean())
+    else:
+        pq = torch.minimum(torch.softmax(p / params.temperature, -1), torch.softmax(q / params.temperature, -1))
+        agreement = float(pq.sum(-1).mean())
+    return full[0, -1], agreement
+
+
+def _plain_step(
+    engine: Engine, cache: StepCache, pending: int, loops: int, spec: SpecConfig, picker: TokenPicker
+) -> int | None:
+    """One single-token step at `loops` (shallower than verify_loops: a warm-up step, whose skipped
+    iterations are filled as DepthSchedule says); None when a stop token was picked."""
+    logits = engine.step(torch.tensor([[pending]]), cache, loops, last_only=True).logits
+    assert logits is not None
+    if loops < spec.verify_loops:
+        end = int(cache.lengths[0])
+        fill_skipped_iterations(cache, loops, spec.verify_loops, end - 1, end)
+    return picker.pick(logits[0, -1])
 
 
 def _speculate(
@@ -152,8 +223,9 @@ def _speculate(
     picker: TokenPicker,
     stats: SpeculativeStats,
     policy: DraftPolicy,
-) -> list[int]:
-    """One draft + verify round; returns the committed tokens (accepted drafts, then the correction or bonus)."""
+) -> tuple[list[int], bool]:
+    """One draft + verify round: the committed tokens (accepted drafts, then the correction or bonus), and
+    whether a stop token was picked after them (it is not among the committed tokens)."""
     p = picker.params
     greedy = p.temperature == 0.0
     start = int(cache.lengths[0])
@@ -172,11 +244,11 @@ def _speculate(
         if i == k or picker.done(g_states[-1]):
             break
         logits = picker.constrain(out.logits[0, -1], g_states[-1])
-        if greedy:
-            x = int(torch.argmax(logits))
-        else:
-            q = normalized(filtered_probs(logits, p.temperature, p.top_k, p.top_p))
-            x = int(torch.multinomial(q, 1, generator=picker.gen))
+        q = None if greedy else normalized(filtered_probs(logits, p.temperature, p.top_k, p.top_p))
+        x = int(torch.argmax(logits)) if q is None else int(torch.multinomial(q, 1, generator=picker.gen))
+        if x in picker.stop_tokens:  # the verifier decides this position's token itself
+            break
+        if q is not None:
             draft_probs.append(q)
         drafts.append(x)
         g_states.append(picker.grammar.advance(g_states[-1], x) if picker.grammar is not None else 0)
@@ -220,7 +292,8 @@ def _speculate(
     # Positions start..start+n_ok hold verified K/V (pending and the accepted drafts); drop the rest.
     cache.truncate(start + n_ok + 1)
     picker.state = state
-    if extra is not None:
+    stopped = extra is not None and extra in picker.stop_tokens
+    if extra is not None and not stopped:
         committed.append(extra)
         if picker.grammar is not None:
             picker.state = picker.grammar.advance(state, extra)
@@ -230,4 +303,4 @@ def _speculate(
     stats.accepted += n_ok
     stats.spec_tokens += len(committed)
     policy.update(len(drafts), n_ok)
-    return committed
+    return committed, stopped

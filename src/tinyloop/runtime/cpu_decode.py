@@ -1,0 +1,366 @@
+"""The CPU decode step: one new token per row, in few torch ops and preallocated buffers.
+
+A CPU decode step of a small looped model is bound by per-op overhead as much as by reading the
+weights (36 layer passes per token for the built-in model). This path runs the generic forward's math
+on [B, d] rows with about 22 ops per layer: matmuls write into buffers or add the residual in place
+(addmm_), RMSNorm is one layer_norm over [x, -x] (mean 0, variance mean(x^2)), RoPE rotates q and k
+together, and attention reads per-slot cache views that are rebuilt only when the attended span grows
+by a bucket. The adapter of "concat" injection is split so that its prelude half runs once per token.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tinyloop.cache.dense import DenseKVCache
+from tinyloop.cache.kv import KVCache
+from tinyloop.cache.slots import body_slot, coda_slot, prelude_slot
+from tinyloop.config import ArchConfig
+from tinyloop.model.looped import ForwardOutput, gate_logit
+from tinyloop.model.weights import LayerWeights, ModelWeights, Norm
+
+# Caches whose `update` is the plain positional write this decoder performs itself.
+_PLAIN_UPDATES = (KVCache.update, DenseKVCache.update)
+# Rows up to this count run on one thread, as the engine's generic path does for small steps.
+SINGLE_THREAD_ROWS = 8
+# The attended span grows in steps of this many positions (masked past each row's length).
+SPAN_BUCKET = 16
+
+
+def supports(cfg: ArchConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype) -> bool:
+    """Float32 on CPU with dense matrices (the CPU loader dequantizes INT4/INT8 at load)."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    layers = (*weights.prelude, *weights.body, *weights.coda)
+    mats = [m for lw in layers for m in (lw.qkv, lw.out, lw.gate_up, lw.up, lw.down) if m is not None]
+    mats += [m for m in (weights.embed, weights.head, weights.adapter) if m is not None]
+    return all(isinstance(m, torch.Tensor) and m.dtype == torch.float32 for m in mats)
+
+
+def _mm_operand(w: object) -> torch.Tensor:
+    """w ([out, in]) as the [in, out] right operand of torch.mm, in the memory layout one row streams fastest:
+    input-major when out >= in, output-major when in > out (1.6x for 1024 -> 384 on this AVX2 CPU).
+    The CPU loader already stores matrices so, so this copies nothing for a loaded model."""
+    assert isinstance(w, torch.Tensor)
+    return w.t().contiguous() if w.shape[0] >= w.shape[1] else w.contiguous().t()
+
+
+@dataclass(frozen=True)
+class _NormPack:
+    weight: torch.Tensor  # rmsnorm: [2d] = [w, w], applied to [x, -x]; layernorm: [d]
+    bias: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class _LayerPack:
+    attn_norm: _NormPack
+    attn_post_norm: _NormPack | None
+    qkv: torch.Tensor  # [d, q + 2 kv]
+    qkv_bias: torch.Tensor | None  # q and k biases, zeros for v
+    out: torch.Tensor  # [q, d]
+    mlp_norm: _NormPack
+    mlp_post_norm: _NormPack | None
+    gate_up: torch.Tensor | None  # [d, 2 ffn]
+    up: torch.Tensor | None  # [d, ffn]
+    down: torch.Tensor  # [ffn, d]
+
+
+class _Buffers:
+    """Work tensors for one batch size. x2: two ping-pong residual buffers [B, 2d] holding [x, -x]."""
+
+    def __init__(self, cfg: ArchConfig, B: int) -> None:
+        d, H, KVH, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.x2 = [torch.zeros(B, 2 * d), torch.zeros(B, 2 * d)]
+        self.left = [x[:, :d] for x in self.x2]
+        self.right = [x[:, d:] for x in self.x2]
+        self.tmp2 = torch.zeros(B, 2 * d)  # post-norm inputs of sandwich layers
+        self.qkv = torch.empty(B, cfg.q_dim + 2 * cfg.kv_dim)
+        pairs = (2, hd // 2) if cfg.rope_pairing == "half" else (hd // 2, 2)
+        self.qk4 = self.qkv[:, : cfg.q_dim + cfg.kv_dim].view(B, H + KVH, *pairs)
+        self.v = self.qkv[:, cfg.q_dim + cfg.kv_dim :].view(B, KVH, hd)
+        self.rot = torch.empty(B, H + KVH, hd)
+        self.rot4 = self.rot.view(B, H + KVH, *pairs)
+        self.k = self.rot[:, H:]
+        self.q3 = self.rot[:, :H].view(B * KVH, H // KVH, hd) if B == 1 else None
+        self.attn = torch.empty(B * KVH, H // KVH, hd)
+        self.attn2 = self.attn.view(B, cfg.q_dim)
+        f = cfg.ffn_dim
+        self.gu = torch.empty(B, 2 * f)
+        self.gate, self.up = self.gu[:, :f], self.gu[:, f:]
+        self.act = torch.empty(B, f)
+
+
+@dataclass
+class _CacheViews:
+    """Per-slot [B*KVH, hd, span] keys (transposed) and [B*KVH, span, hd] values of one cache."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    span: int
+    keys_t: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+@dataclass
+class _Step:
+    """What every layer pass of one step shares."""
+
+    rows: torch.Tensor  # [B]
+    pos: torch.Tensor  # [B] the new token's position in each row
+    k_at: torch.Tensor | None  # cache.k[:, :, :, p] when every row writes position p, else None
+    v_at: torch.Tensor | None
+    cos4: torch.Tensor  # [B, H + KVH, hd] as rot4's shape; the q part carries the 1/sqrt(hd) scale
+    sin4: torch.Tensor  # signed: x * cos + swap_halves(x) * sin is the rotation
+    mask: torch.Tensor  # [B * KVH, 1, span] additive: 0 up to each row's position, -inf after
+    views: _CacheViews
+
+
+class CpuDecoder:
+    """Decode steps (T = 1) of a float32 model on CPU; anything else is declined (None)."""
+
+    def __init__(self, cfg: ArchConfig, weights: ModelWeights, cos: torch.Tensor, sin: torch.Tensor,
+                 noise: torch.Tensor | None) -> None:  # fmt: skip
+        self.cfg = cfg
+        self.w = weights
+        self.cos, self.sin, self.noise = cos, sin, noise
+        self.prelude = [self._pack(lw) for lw in weights.prelude]
+        self.body = [self._pack(lw) for lw in weights.body]
+        self.coda = [self._pack(lw) for lw in weights.coda]
+        d = cfg.d_model
+        self.adapter_state: torch.Tensor | None = None
+        self.adapter_prelude: torch.Tensor | None = None
+        if cfg.injection == "concat":
+            # The adapter reads cat(state, prelude_out): split by input half.
+            assert isinstance(weights.adapter, torch.Tensor)
+            self.adapter_state = _mm_operand(weights.adapter[:, :d])
+            self.adapter_prelude = _mm_operand(weights.adapter[:, d:])
+        assert isinstance(weights.embed, torch.Tensor) and isinstance(weights.head, torch.Tensor)
+        self.embed = weights.embed
+        self.head = weights.head.t()  # [d, V] (a view: the tied table stays row-major for lookups)
+        self.final_norm = self._norm_pack(weights.final_norm)
+        half = cfg.head_dim // 2
+        self._pairs = (2, half) if cfg.rope_pairing == "half" else (half, 2)
+        self._swap_dim = 2 if cfg.rope_pairing == "half" else 3
+        self._q_scale = torch.ones(cfg.n_heads + cfg.n_kv_heads, 1)
+        self._q_scale[: cfg.n_heads] = cfg.head_dim**-0.5
+        self._buffers: dict[int, _Buffers] = {}
+        self._views: weakref.WeakKeyDictionary[KVCache, _CacheViews] = weakref.WeakKeyDictionary()
+
+    # ---- weights ---------------------------------------------------------------------------------
+    def _norm_pack(self, n: Norm | None) -> _NormPack | None:
+        if n is None:
+            return None
+        w = n.weight.float()
+        if self.cfg.norm_kind == "rmsnorm":
+            return _NormPack(torch.cat((w, w)), None)
+        return _NormPack(w.contiguous(), None if n.bias is None else n.bias.float().contiguous())
+
+    def _pack(self, lw: LayerWeights) -> _LayerPack:
+        cfg = self.cfg
+        bias = None
+        if lw.q_bias is not None and lw.k_bias is not None:
+            bias = torch.cat((lw.q_bias.float(), lw.k_bias.float(), torch.zeros(cfg.kv_dim)))
+        attn_norm, mlp_norm = self._norm_pack(lw.attn_norm), self._norm_pack(lw.mlp_norm)
+        assert attn_norm is not None and mlp_norm is not None
+        return _LayerPack(
+            attn_norm=attn_norm,
+            attn_post_norm=self._norm_pack(lw.attn_post_norm),
+            qkv=_mm_operand(lw.qkv),
+            qkv_bias=bias,
+            out=_mm_operand(lw.out),
+            mlp_norm=mlp_norm,
+            mlp_post_norm=self._norm_pack(lw.mlp_post_norm),
+            gate_up=None if lw.gate_up is None else _mm_operand(lw.gate_up),
+            up=None if lw.up is None else _mm_operand(lw.up),
+            down=_mm_operand(lw.down),
+        )
+
+    # ---- per step --------------------------------------------------------------------------------
+    def _cache_views(self, cache: KVCache, span: int) -> _CacheViews:
+        views = self._views.get(cache)
+        if views is not None and views.k is cache.k and views.v is cache.v and views.span == span:
+            return views
+        B, KVH, hd = cache.batch, self.cfg.n_kv_heads, self.cfg.head_dim
+        n = cache.k.shape[0]
+        keys_t = [cache.k[i, :, :, :span].view(B * KVH, span, hd).transpose(1, 2) for i in range(n)]
+        values = [cache.v[i, :, :, :span].view(B * KVH, span, hd) for i in range(n)]
+        views = _CacheViews(cache.k, cache.v, span, keys_t, values)
+        self._views[cache] = views
+        return views
+
+    def _step(self, cache: KVCache, B: int) -> _Step:
+        cfg = self.cfg
+        KVH = cfg.n_kv_heads
+        pos = cache.lengths.clone()
+        first, last = int(pos.min()), int(pos.max())
+        span = min(cache.max_seq, -(-(last + 1) // SPAN_BUCKET) * SPAN_BUCKET)
+        cos, sin = self.cos[pos], self.sin[pos]  # [B, hd/2]
+        if cfg.rope_pairing == "half":
+            c, s = torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
+        else:
+            c, s = torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2)
+        shape = (B, cfg.n_heads + KVH, *self._pairs)
+        cos4 = (c[:, None, :] * self._q_scale).view(shape)
+        sin4 = (s[:, None, :] * self._q_scale).view(shape)
+        mask = torch.zeros(B, span).masked_fill_(torch.arange(span)[None, :] > pos[:, None], float("-inf"))
+        mask = mask[:, None, None, :].expand(B, KVH, 1, span).reshape(B * KVH, 1, span)
+        uniform = first == last
+        return _Step(
+            rows=torch.arange(B),
+            pos=pos,
+            k_at=cache.k.select(3, first) if uniform else None,
+            v_at=cache.v.select(3, first) if uniform else None,
+            cos4=cos4,
+            sin4=sin4,
+            mask=mask,
+            views=self._cache_views(cache, span),
+        )
+
+    # ---- layers ----------------------------------------------------------------------------------
+    def _norm(self, buf: _Buffers, i: int, n: _NormPack) -> torch.Tensor:
+        """The norm of the rows in buffer i ([B, d], fresh)."""
+        cfg = self.cfg
+        if cfg.norm_kind == "rmsnorm":
+            torch.neg(buf.left[i], out=buf.right[i])
+            return F.layer_norm(buf.x2[i], (2 * cfg.d_model,), n.weight, None, cfg.norm_eps)[:, : cfg.d_model]
+        return F.layer_norm(buf.left[i], (cfg.d_model,), n.weight, n.bias, cfg.norm_eps)
+
+    def _norm_tmp(self, buf: _Buffers, n: _NormPack) -> torch.Tensor:
+        """The norm of the rows in buf.tmp2's left half (sandwich post-norms)."""
+        d = self.cfg.d_model
+        if self.cfg.norm_kind == "rmsnorm":
+            torch.neg(buf.tmp2[:, :d], out=buf.tmp2[:, d:])
+            return F.layer_norm(buf.tmp2, (2 * d,), n.weight, None, self.cfg.norm_eps)[:, :d]
+        return F.layer_norm(buf.tmp2[:, :d], (d,), n.weight, n.bias, self.cfg.norm_eps)
+
+    def _attention(self, h: torch.Tensor, lp: _LayerPack, cache: KVCache, slot: int, st: _Step, buf: _Buffers) -> None:
+        """Attention of normalized rows h [B, d] into buf.attn2 ([B, q], before the out projection)."""
+        cfg = self.cfg
+        if lp.qkv_bias is None:
+            torch.mm(h, lp.qkv, out=buf.qkv)
+        else:
+            torch.addmm(lp.qkv_bias, h, lp.qkv, out=buf.qkv)
+        swapped = buf.qk4.flip(self._swap_dim)
+        torch.mul(buf.qk4, st.cos4, out=buf.rot4)
+        buf.rot4.addcmul_(swapped, st.sin4)  # RoPE on q and k: x * cos + swap_halves(x) * (-sin, sin)
+        if st.k_at is not None and st.v_at is not None:
+            st.k_at[slot].copy_(buf.k)
+            st.v_at[slot].copy_(buf.v)
+        else:
+            cache.k[slot][st.rows, :, st.pos] = buf.k
+            cache.v[slot][st.rows, :, st.pos] = buf.v
+        B, KVH = h.shape[0], cfg.n_kv_heads
+        q = buf.q3 if buf.q3 is not None else buf.rot[:, : cfg.n_heads].reshape(B * KVH, -1, cfg.head_dim)
+        scores = torch.baddbmm(st.mask, q, st.views.keys_t[slot])
+        torch.bmm(torch.softmax(scores, dim=-1), st.views.values[slot], out=buf.attn)
+
+    def _layer(self, buf: _Buffers, i: int, lp: _LayerPack, cache: KVCache, slot: int, st: _Step) -> None:
+        """One layer over the rows in buffer i, in place."""
+        cfg = self.cfg
+        d = cfg.d_model
+        x = buf.left[i]
+        self._attention(self._norm(buf, i, lp.attn_norm), lp, cache, slot, st, buf)
+        if cfg.norm_placement == "pre":
+            x.addmm_(buf.attn2, lp.out)
+        elif cfg.norm_placement == "sandwich_out":
+            assert lp.attn_post_norm is not None
+            torch.mm(buf.attn2, lp.out, out=buf.tmp2[:, :d])
+            x.add_(self._norm_tmp(buf, lp.attn_post_norm))
+        else:
+            assert lp.attn_post_norm is not None
+            x.addmm_(buf.attn2, lp.out)
+            x.copy_(self._norm(buf, i, lp.attn_post_norm))
+        h = self._norm(buf, i, lp.mlp_norm)
+        if lp.gate_up is not None:
+            torch.mm(h, lp.gate_up, out=buf.gu)
+            F.silu(buf.gate, inplace=True)
+            act = torch.mul(buf.gate, buf.up, out=buf.act)
+        else:
+            assert lp.up is not None
+            act = F.gelu(torch.mm(h, lp.up))
+        if cfg.norm_placement == "pre":
+            x.addmm_(act, lp.down)
+            return
+        assert lp.mlp_post_norm is not None
+        if cfg.norm_placement == "sandwich_out":
+            torch.mm(act, lp.down, out=buf.tmp2[:, :d])
+            x.add_(self._norm_tmp(buf, lp.mlp_post_norm))
+        else:
+            x.addmm_(act, lp.down)
+            x.copy_(self._norm(buf, i, lp.mlp_post_norm))
+
+    # ---- the step --------------------------------------------------------------------------------
+    def decode(
+        self, tokens: torch.Tensor, cache: KVCache, loops: int, valid: torch.Tensor | None, last_only: bool
+    ) -> ForwardOutput | None:
+        B, T = tokens.shape
+        if T != 1 or type(cache).update not in _PLAIN_UPDATES or cache.batch != B:
+            return None
+        if valid is not None and bool((valid.to("cpu") != 1).any()):
+            return None
+        previous = torch.get_num_threads()
+        single = B <= SINGLE_THREAD_ROWS and previous != 1
+        if single:
+            torch.set_num_threads(1)
+        try:
+            return self._decode(tokens.to("cpu", torch.long).view(B), cache, loops)
+        finally:
+            if single:
+                torch.set_num_threads(previous)
+
+    def _decode(self, tokens: torch.Tensor, cache: KVCache, loops: int) -> ForwardOutput:
+        cfg, w = self.cfg, self.w
+        B = tokens.shape[0]
+        buf = self._buffers.get(B)
+        if buf is None:
+            buf = self._buffers[B] = _Buffers(cfg, B)
+        st = self._step(cache, B)
+        cur = 0
+        torch.mul(F.embedding(tokens, self.embed), cfg.embed_scale, out=buf.left[cur])
+        for i, lp in enumerate(self.prelude):
+            self._layer(buf, cur, lp, cache, prelude_slot(cfg, i), st)
+        p = buf.left[cur].clone()
+        if cfg.state_start == "zeros":
+            buf.left[cur].zero_()
+        elif cfg.state_start == "random":
+            assert self.noise is not None
+            buf.left[cur].copy_(self.noise[st.pos])
+        injected = None if self.adapter_prelude is None else torch.mm(p, self.adapter_prelude)
+        gates: list[torch.Tensor] = []
+        for t in range(loops):
+            if cfg.injection != "none":
+                nxt = 1 - cur
+                if injected is not None and t == 0 and cfg.state_start == "zeros":
+                    buf.left[nxt].copy_(injected)  # the zero state's half of the adapter adds exactly 0
+                elif injected is not None:
+                    assert self.adapter_state is not None
+                    torch.addmm(injected, buf.left[cur], self.adapter_state, out=buf.left[nxt])
+                else:
+                    torch.add(buf.left[cur], p, out=buf.left[nxt])
+                cur = nxt
+            for j, lp in enumerate(self.body):
+                self._layer(buf, cur, lp, cache, body_slot(cfg, t, j), st)
+            if cfg.loop_norm == "every_loop":
+                assert self.final_norm is not None
+                buf.left[cur].copy_(self._norm(buf, cur, self.final_norm))
+            if w.exit_gate_weight is not None:
+                gates.append(gate_logit(w, buf.left[cur][:, None, :]))
+        s = buf.left[cur].clone()
+        if cfg.loop_norm == "after_loop":
+            assert self.final_norm is not None
+            buf.left[cur].copy_(self._norm(buf, cur, self.final_norm))
+        for i, lp in enumerate(self.coda):
+            self._layer(buf, cur, lp, cache, coda_slot(cfg, i), st)
+        x = buf.left[cur]
+        if cfg.head_norm:
+            assert self.final_norm is not None
+            x = self._norm(buf, cur, self.final_norm)
+        logits = torch.mm(x, self.head)
+        if cfg.logit_scale != 1.0:
+            logits.mul_(cfg.logit_scale)
+        return ForwardOutput(logits=logits.view(B, 1, -1), gates=gates, loop_state=s.view(B, 1, -1),
+                             prelude_out=p.view(B, 1, -1))  # fmt: skip

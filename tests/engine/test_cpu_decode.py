@@ -1,0 +1,196 @@
+"""The CPU decode path (runtime/cpu_decode.py) equals the generic forward and the naive float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cached_vs_naive import BASE, VARIANTS
+
+from helpers import max_rel_error, random_flat_weights
+from naive_reference import naive_forward
+from tinyloop.cache.dense import DenseKVCache
+from tinyloop.cache.kv import KVCache
+from tinyloop.config import ArchConfig
+from tinyloop.model.looped import ForwardOutput
+from tinyloop.model.weights import ModelWeights
+from tinyloop.quant import quantize_int4
+from tinyloop.runtime import cpu_decode
+from tinyloop.runtime import engine as engine_module
+from tinyloop.runtime.cpu_decode import CpuDecoder
+from tinyloop.runtime.engine import Engine
+
+TOL = 1e-5
+
+
+def fast_step(fast: Engine, tokens: torch.Tensor, cache: KVCache, loops: int) -> ForwardOutput:
+    """fast.step, failing if the step fell back to the generic forward."""
+
+    def refuse(*args: object, **kwargs: object) -> ForwardOutput:
+        raise AssertionError("the CPU decoder declined a plain decode step")
+
+    generic_forward = engine_module.forward
+    engine_module.forward = refuse  # type: ignore[assignment]
+    try:
+        return fast.step(tokens, cache, loops, last_only=True)
+    finally:
+        engine_module.forward = generic_forward
+
+
+def engines(variant: str, **changes: object) -> tuple[ArchConfig, dict[str, torch.Tensor], Engine, Engine]:
+    """The same model twice: with the CPU decoder, and with the generic forward only."""
+    cfg = ArchConfig(**{**BASE, **VARIANTS[variant], **changes})  # type: ignore[arg-type]
+    flat = random_flat_weights(cfg, seed=3)
+    fast = Engine(cfg, ModelWeights.from_flat(cfg, flat), torch.device("cpu"), torch.float32)
+    generic = Engine(cfg, ModelWeights.from_flat(cfg, flat), torch.device("cpu"), torch.float32)
+    generic.decoder = None
+    assert isinstance(fast.decoder, CpuDecoder)
+    return cfg, flat, fast, generic
+
+
+def decode_both(fast: Engine, generic: Engine, caches: tuple[KVCache, KVCache], token_rows: list[list[int]],
+                loops: list[int]) -> list[torch.Tensor]:  # fmt: skip
+    """Decode each column of token_rows as one step on both engines; check every output; fast logits."""
+    out = []
+    for step, n_loops in enumerate(loops):
+        tokens = torch.tensor([[row[step]] for row in token_rows])
+        a = fast_step(fast, tokens, caches[0], n_loops)
+        b = generic.step(tokens, caches[1], n_loops, last_only=True)
+        assert a.logits is not None and b.logits is not None and a.logits.shape == b.logits.shape
+        assert max_rel_error(a.logits, b.logits) <= TOL, f"step {step}: logits"
+        assert a.loop_state is not None and b.loop_state is not None and a.prelude_out is not None
+        assert max_rel_error(a.loop_state, b.loop_state) <= TOL
+        assert b.prelude_out is not None and max_rel_error(a.prelude_out, b.prelude_out) <= TOL
+        assert len(a.gates) == len(b.gates)
+        for g, h in zip(a.gates, b.gates, strict=True):
+            assert g.shape == h.shape and max_rel_error(g, h) <= TOL
+        assert torch.equal(caches[0].lengths, caches[1].lengths)
+        out.append(a.logits)
+    used = caches[0].cfg.n_cache_slots(max(loops))
+    for name in ("k", "v"):  # the K/V the fast path wrote are the generic path's
+        got, ref = getattr(caches[0], name)[:used], getattr(caches[1], name)[:used]
+        assert max_rel_error(got, ref) <= TOL, name
+    return out
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("loops", [1, 3])
+def test_decode_matches_generic_and_naive(variant: str, loops: int) -> None:
+    cfg, flat, fast, generic = engines(variant)
+    tokens = torch.randint(0, cfg.vocab_size, (12,), generator=torch.Generator().manual_seed(loops)).tolist()
+    prompt = 4
+    caches = (fast.new_cache(1, 40, loops), generic.new_cache(1, 40, loops))
+    for engine, cache in zip((fast, generic), caches, strict=True):
+        engine.step(torch.tensor([tokens[:prompt]]), cache, loops)
+    got = decode_both(fast, generic, caches, [tokens[prompt:]], [loops] * (len(tokens) - prompt))
+    ref, _, _ = naive_forward(cfg, flat, tokens, loops, fast.noise)
+    err = max_rel_error(torch.cat([g[0] for g in got]), ref[prompt:])
+    assert err <= TOL, f"{variant} loops={loops}: max relative error {err:.2e} against the naive reference"
+
+
+@pytest.mark.parametrize("variant", ["pre-concat-zeros-gqa", "huginn-like", "ouro-like", "layernorm-gelu-untied"])
+def test_ragged_batch_matches_naive_per_row(variant: str) -> None:
+    cfg, flat, fast, generic = engines(variant)
+    prompts = [[5, 9, 2, 7, 1, 3], [4, 8], [6, 6, 6, 1]]
+    nexts = [[11, 12, 13, 14], [21, 22, 23, 24], [31, 32, 33, 34]]
+    loops = 3
+    caches = (fast.new_cache(3, 32, loops), generic.new_cache(3, 32, loops))
+    width = max(len(p) for p in prompts)
+    batch = torch.tensor([p + [0] * (width - len(p)) for p in prompts])
+    valid = torch.tensor([len(p) for p in prompts])
+    for engine, cache in zip((fast, generic), caches, strict=True):
+        engine.step(batch, cache, loops, valid=valid, last_only=True)
+    got = decode_both(fast, generic, caches, nexts, [loops] * 4)
+    for b, (p, n) in enumerate(zip(prompts, nexts, strict=True)):
+        ref, _, _ = naive_forward(cfg, flat, p + n, loops, fast.noise)
+        assert max_rel_error(torch.stack([g[b, 0] for g in got]), ref[len(p) :]) <= TOL, f"row {b}"
+
+
+def test_uniform_batch_and_loops_changing_between_steps() -> None:
+    _, _, fast, generic = engines("pre-concat-zeros-gqa")
+    caches = (fast.new_cache(2, 32, 6), generic.new_cache(2, 32, 6))
+    for engine, cache in zip((fast, generic), caches, strict=True):
+        engine.step(torch.tensor([[1, 2, 3], [4, 5, 6]]), cache, 6)
+    decode_both(fast, generic, caches, [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16]], [6, 2, 5, 1, 6])
+
+
+def test_attended_span_grows_across_buckets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Per-cache views are rebuilt when the span grows past a bucket, capped at the cache's max_seq."""
+    monkeypatch.setattr(cpu_decode, "SPAN_BUCKET", 4)
+    cfg, flat, fast, generic = engines("huginn-like")
+    tokens = list(range(1, 20))
+    caches = (fast.new_cache(1, 19, 2), generic.new_cache(1, 19, 2))
+    for engine, cache in zip((fast, generic), caches, strict=True):
+        engine.step(torch.tensor([tokens[:2]]), cache, 2)
+    got = decode_both(fast, generic, caches, [tokens[2:]], [2] * (len(tokens) - 2))
+    ref, _, _ = naive_forward(cfg, flat, tokens, 2, fast.noise)
+    assert max_rel_error(torch.cat([g[0] for g in got]), ref[2:]) <= TOL
+
+
+def test_truncated_cache_and_a_second_cache_reuse_nothing_stale() -> None:
+    cfg, flat, fast, _ = engines("pre-add-prelude")
+    cache = fast.new_cache(1, 32, 2)
+    fast.step(torch.tensor([[1, 2, 3, 4]]), cache, 2)
+    for t in (50, 51, 52):
+        fast.step(torch.tensor([[t]]), cache, 2)
+    cache.truncate(4)
+    out = fast.step(torch.tensor([[7]]), cache, 2, last_only=True)
+    other = fast.new_cache(1, 32, 2)
+    fast.step(torch.tensor([[1, 2, 3, 4]]), other, 2)
+    again = fast.step(torch.tensor([[7]]), other, 2, last_only=True)
+    ref, _, _ = naive_forward(cfg, flat, [1, 2, 3, 4, 7], 2)
+    assert out.logits is not None and again.logits is not None
+    assert max_rel_error(out.logits[0, 0], ref[-1]) <= TOL
+    assert torch.equal(out.logits, again.logits)
+
+
+def test_declines_what_it_does_not_handle() -> None:
+    cfg, _, fast, _ = engines("pre-add-prelude")
+    decoder = fast.decoder
+    assert decoder is not None
+    cache = fast.new_cache(2, 16, 2)
+    assert decoder.decode(torch.tensor([[1, 2], [3, 4]]), cache, 2, None, True) is None  # several tokens
+    assert decoder.decode(torch.tensor([[1], [2]]), cache, 2, torch.tensor([1, 0]), True) is None  # padding
+    assert decoder.decode(torch.tensor([[1]]), cache, 2, None, True) is None  # batch differs from the cache
+    narrow = DenseKVCache(cfg, 1, 16, 2, "cpu", torch.float32, storage_dtype=torch.float16)
+    out = fast.step(torch.tensor([[1, 2, 3]]), narrow, 2)  # a float16 cache runs the generic path
+    assert out.logits is not None and int(narrow.lengths[0]) == 3
+
+
+def test_selected_only_for_float32_dense_cpu() -> None:
+    cfg = ArchConfig(**{**BASE, **VARIANTS["pre-add-prelude"]})  # type: ignore[arg-type]
+    flat = random_flat_weights(cfg, seed=1)
+    assert Engine(cfg, ModelWeights.from_flat(cfg, flat), torch.device("cpu"), torch.bfloat16).decoder is None
+    quantized = dict(flat, **{"body.0.attn.qkv.weight": quantize_int4(flat["body.0.attn.qkv.weight"], 32)})
+    assert Engine(cfg, ModelWeights.from_flat(cfg, quantized), torch.device("cpu"), torch.float32).decoder is None
+
+
+def test_builtin_model_decodes_as_the_generic_path() -> None:
+    from tinyloop.builtin import resolve_model
+    from tinyloop.runtime.loader import load_engine
+
+    _, fast = load_engine(resolve_model("tiny"), torch.device("cpu"))
+    generic = Engine(fast.cfg, fast.weights, fast.device, fast.dtype)
+    generic.decoder = None
+    prompt = torch.tensor([list(b"def fibonacci(n):")])
+    caches = (fast.new_cache(1, 40, 8), generic.new_cache(1, 40, 8))
+    out = fast.step(prompt, caches[0], 8, last_only=True)
+    generic.step(prompt, caches[1], 8, last_only=True)
+    assert out.logits is not None
+    greedy, token = [], int(out.logits[0, -1].argmax())
+    for _ in range(6):
+        logits = decode_both(fast, generic, caches, [[token]], [8])[0]
+        token = int(logits[0, -1].argmax())
+        greedy.append(token)
+    assert len(greedy) == 6
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("shape", [(96, 256), (256, 128)])
+def test_cpu_int4_dequantization_is_bit_exact(group_size: int, shape: tuple[int, int]) -> None:
+    from tinyloop.runtime.loader import dequantize_int4_cpu
+
+    w = quantize_int4(torch.randn(shape, generator=torch.Generator().manual_seed(group_size)), group_size)
+    got = dequantize_int4_cpu(w)
+    assert got.shape == shape and torch.equal(got, w.dequantize(torch.float32))
+    out_f, in_f = shape
+    assert got.t().is_contiguous() if out_f >= in_f else got.is_contiguous()  # the faster layout for one row
