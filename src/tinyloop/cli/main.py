@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 from importlib import import_module
 
@@ -67,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         return exc.code
     except KeyboardInterrupt:
         return 130
+    finally:
+        # The command is done: spare the exit's garbage collection a pass over torch's ~165k objects (~0.9 s).
+        gc.freeze()
 
 
 if __name__ == "__main__":

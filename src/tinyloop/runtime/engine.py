@@ -16,8 +16,9 @@ from tinyloop.model.weights import ModelWeights
 from tinyloop.runtime.decode_path import Decoder, select_decoder
 
 # Steps of at most this many rows run on one CPU thread: single-row products are bound by memory reads, a
-# second thread does not speed them up, and a busy machine makes the thread pool wait on every op.
-SINGLE_THREAD_ROWS = 8
+# second thread does not speed them up, and on a busy machine the thread pool waits on every op (a 17-token
+# prompt's prefill: 0.2 s on one thread, 1-6 s on two when the other core is busy).
+SINGLE_THREAD_ROWS = 256
 
 
 @contextmanager
