@@ -447,6 +447,14 @@ def seed_section() -> dict[str, Any]:
     return res
 
 
+def speculative_section() -> dict[str, Any]:
+    wait_for_models(SEED_PATH)
+    return {
+        "seed407m": speculative_numbers(SEED_PATH, [(2, 8), (4, 16)]),
+        "tiny": speculative_numbers("tiny", [(1, 4), (2, 8), (4, 16)]),
+    }
+
+
 def ouro_section() -> dict[str, Any]:
     wait_for_models()
     return {"int4": generation_numbers(OURO_PATH, 4)}
@@ -478,6 +486,7 @@ SECTIONS = {
     "ouro": ouro_section,
     "cli": cli_section,
     "stochastic": stochastic_section,
+    "speculative": speculative_section,
 }
 
 

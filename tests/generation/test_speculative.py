@@ -130,3 +130,19 @@ def test_adaptive_without_a_prompt_estimate_opens_with_a_probe(model, monkeypatc
     monkeypatch.undo()
     res = model.generate_speculative(list(PROMPTS[0]), 24, 1, 4, 4)
     assert res.stats.prompt_agreement is not None and 0.0 <= res.stats.prompt_agreement <= 1.0
+
+
+def test_policy_decodes_plain_on_cuda_even_when_drafts_agree() -> None:
+    """On CUDA a multi-token verification costs a full step per token (measured), so speculation cannot pay
+    there: the adaptive policy starts plain and only probes; on CPU the same agreement starts speculating."""
+    from tinyloop.runtime.spec_policy import DraftPolicy
+    from tinyloop.train.tiny_config import TINY_CONFIG
+
+    cpu = DraftPolicy(TINY_CONFIG, 2, 8, 4, True, "cpu")
+    cuda = DraftPolicy(TINY_CONFIG, 2, 8, 4, True, "cuda")
+    for policy in (cpu, cuda):
+        policy.prime(1.0, 64)
+    assert cpu.next_k(100) == 4
+    assert cuda.best_cost_per_token() > cuda.plain_cost()
+    assert [cuda.next_k(100) for _ in range(64)] == [0] * 64
+    assert cuda.next_k(100) == 1  # the probe after the pause

@@ -9,6 +9,10 @@ from tinyloop.config import ArchConfig
 # deterministic, so a seeded run repeats exactly.
 STEP_OVERHEAD_LAYERS = 2.0
 EXTRA_TOKEN_COST = 0.15
+# On CUDA a single-token step is one replay of a fused graph while a verification pass of several tokens
+# is not (H200: seed-407m verification at 2/8 made speculation 2x slower than plain at 100 % acceptance,
+# docs/BENCHMARKS.md): count each further token as a full step there, so the policy decodes plain.
+EXTRA_TOKEN_COST_BY_DEVICE = {"cpu": EXTRA_TOKEN_COST, "cuda": 1.0}
 # Plain steps between probe rounds while speculation does not pay: a short first pause (one unlucky round
 # on a good workload costs little), then long ones that double up to the cap.
 BACKOFF_STEPS = (8, 64)
@@ -34,8 +38,17 @@ class DraftPolicy:
     Not adaptive: always `draft_ahead` tokens.
     """
 
-    def __init__(self, cfg: ArchConfig, draft_loops: int, verify_loops: int, draft_ahead: int, adaptive: bool):
+    def __init__(
+        self,
+        cfg: ArchConfig,
+        draft_loops: int,
+        verify_loops: int,
+        draft_ahead: int,
+        adaptive: bool,
+        device_type: str = "cpu",
+    ):
         self.cfg = cfg
+        self.extra_token_cost = EXTRA_TOKEN_COST_BY_DEVICE.get(device_type, EXTRA_TOKEN_COST)
         self.draft_loops = draft_loops
         self.verify_loops = verify_loops
         self.adaptive = adaptive
@@ -110,7 +123,8 @@ class DraftPolicy:
     def round_cost(self, k: int) -> float:
         c, d = self.cfg, self.draft_loops
         draft = c.n_prelude + d * c.n_body + c.n_coda + STEP_OVERHEAD_LAYERS
-        verify = ((self.verify_loops - d) * c.n_body + c.n_coda) * (1 + EXTRA_TOKEN_COST * k) + STEP_OVERHEAD_LAYERS
+        tokens = 1 + self.extra_token_cost * k
+        verify = ((self.verify_loops - d) * c.n_body + c.n_coda) * tokens + STEP_OVERHEAD_LAYERS
         return (k + 1) * draft + verify
 
     def expected_tokens(self, k: int) -> float:

@@ -126,7 +126,9 @@ def _rounds(
         return
     t = time.perf_counter()
     cache.truncate(0)
-    policy = DraftPolicy(engine.cfg, spec.draft_loops, spec.verify_loops, spec.draft_ahead, spec.adaptive)
+    policy = DraftPolicy(
+        engine.cfg, spec.draft_loops, spec.verify_loops, spec.draft_ahead, spec.adaptive, engine.device.type
+    )
     ids = prompt.to(torch.long).view(1, -1)
     if spec.adaptive and ids.shape[1] * engine.cfg.vocab_size <= PREFILL_ESTIMATE_LOGITS:
         last, agreement = _split_prefill(engine, cache, ids, spec, picker.params)
