@@ -148,9 +148,10 @@ def test_declines_what_it_does_not_handle() -> None:
     decoder = fast.decoder
     assert decoder is not None
     cache = fast.new_cache(2, 16, 2)
-    assert decoder.decode(torch.tensor([[1, 2], [3, 4]]), cache, 2, None, True) is None  # several tokens
-    assert decoder.decode(torch.tensor([[1], [2]]), cache, 2, torch.tensor([1, 0]), True) is None  # padding
-    assert decoder.decode(torch.tensor([[1]]), cache, 2, None, True) is None  # batch differs from the cache
+    at_end = torch.zeros(2, dtype=torch.long)
+    assert decoder.decode(torch.tensor([[1, 2], [3, 4]]), cache, 2, None, True, at_end, None, 0) is None  # 2 tokens
+    assert decoder.decode(torch.tensor([[1], [2]]), cache, 2, torch.tensor([1, 0]), True, at_end, None, 0) is None
+    assert decoder.decode(torch.tensor([[1]]), cache, 2, None, True, at_end[:1], None, 0) is None  # batch differs
     narrow = DenseKVCache(cfg, 1, 16, 2, "cpu", torch.float32, storage_dtype=torch.float16)
     out = fast.step(torch.tensor([[1, 2, 3]]), narrow, 2)  # a float16 cache runs the generic path
     assert out.logits is not None and int(narrow.lengths[0]) == 3

@@ -182,6 +182,16 @@ def _nibble(words, j: tl.constexpr):
 
 
 @triton.jit
+def _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w, mask, stride_w, stride_g, GROUP: tl.constexpr):
+    """Packed words [rows, offs_w] with each word's group scale and minimum (float32)."""
+    g_idx = rows[:, None] * stride_g + offs_w[None, :] // (GROUP // 8)
+    words = tl.load(w_ptr + rows[:, None] * stride_w + offs_w[None, :], mask=mask, other=0)
+    s = tl.load(s_ptr + g_idx, mask=mask, other=0.0).to(tl.float32)
+    mn = tl.load(m_ptr + g_idx, mask=mask, other=0.0).to(tl.float32)
+    return words, s, mn
+
+
+@triton.jit
 def _matvec1_int4_kernel(
     x_ptr,
     w_ptr,
@@ -215,7 +225,6 @@ def _matvec1_int4_kernel(
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     BLOCK_W: tl.constexpr = BLOCK_K // 8
-    WORDS_PER_GROUP: tl.constexpr = GROUP // 8
     acc = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
     sumsq = tl.zeros((BLOCK_W,), tl.float32)
@@ -223,15 +232,9 @@ def _matvec1_int4_kernel(
         offs_w = k0 // 8 + tl.arange(0, BLOCK_W)
         w_mask = offs_w < K // 8
         mask2 = row_mask[:, None] & w_mask[None, :]
-        g_idx = rows[:, None] * stride_g + offs_w[None, :] // WORDS_PER_GROUP
-        words = tl.load(w_ptr + rows[:, None] * stride_w + offs_w[None, :], mask=mask2, other=0)
-        s = tl.load(s_ptr + g_idx, mask=mask2, other=0.0).to(tl.float32)
-        mn = tl.load(m_ptr + g_idx, mask=mask2, other=0.0).to(tl.float32)
+        words, s, mn = _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w, mask2, stride_w, stride_g, GROUP)
         if ACT == 1:
-            up_idx = (rows + N)[:, None] * stride_g + offs_w[None, :] // WORDS_PER_GROUP
-            words_up = tl.load(w_ptr + (rows + N)[:, None] * stride_w + offs_w[None, :], mask=mask2, other=0)
-            s_up = tl.load(s_ptr + up_idx, mask=mask2, other=0.0).to(tl.float32)
-            mn_up = tl.load(m_ptr + up_idx, mask=mask2, other=0.0).to(tl.float32)
+            words_up, s_up, mn_up = _load_words(w_ptr, s_ptr, m_ptr, rows + N, offs_w, mask2, stride_w, stride_g, GROUP)
         part = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
         part_up = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
         xsum = tl.zeros((BLOCK_W,), tl.float32)
@@ -296,7 +299,6 @@ def _matvec_rows_int4_kernel(
     offs_m = tl.arange(0, ROWS)
     m_mask = offs_m < M
     BLOCK_W: tl.constexpr = BLOCK_K // 8
-    WORDS_PER_GROUP: tl.constexpr = GROUP // 8
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
     acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
     sumsq = tl.zeros((ROWS, BLOCK_W), tl.float32)
@@ -304,15 +306,9 @@ def _matvec_rows_int4_kernel(
         offs_w = k0 // 8 + tl.arange(0, BLOCK_W)
         w_mask = offs_w < K // 8
         mask2 = row_mask[:, None] & w_mask[None, :]
-        g_idx = rows[:, None] * stride_g + offs_w[None, :] // WORDS_PER_GROUP
-        words = tl.load(w_ptr + rows[:, None] * stride_w + offs_w[None, :], mask=mask2, other=0)
-        s = tl.load(s_ptr + g_idx, mask=mask2, other=0.0).to(tl.float32)
-        mn = tl.load(m_ptr + g_idx, mask=mask2, other=0.0).to(tl.float32)
+        words, s, mn = _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w, mask2, stride_w, stride_g, GROUP)
         if ACT == 1:
-            up_idx = (rows + N)[:, None] * stride_g + offs_w[None, :] // WORDS_PER_GROUP
-            words_up = tl.load(w_ptr + (rows + N)[:, None] * stride_w + offs_w[None, :], mask=mask2, other=0)
-            s_up = tl.load(s_ptr + up_idx, mask=mask2, other=0.0).to(tl.float32)
-            mn_up = tl.load(m_ptr + up_idx, mask=mask2, other=0.0).to(tl.float32)
+            words_up, s_up, mn_up = _load_words(w_ptr, s_ptr, m_ptr, rows + N, offs_w, mask2, stride_w, stride_g, GROUP)
         part = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
         part_up = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
         xsum = tl.zeros((ROWS, BLOCK_W), tl.float32)

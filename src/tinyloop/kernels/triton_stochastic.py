@@ -53,26 +53,12 @@ def _effective_weight_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     mask = cols < n_cols
-    byte = tl.load(packed_ptr + row * (n_cols // 2) + cols // 2, mask=mask, other=0).to(tl.int32)
-    q = tl.where(cols % 2 == 0, byte & 15, byte >> 4)
-    # The element counter wraps at 2^32 only for matrices the wrapper refuses.
-    index = (row * n_cols + cols).to(tl.uint32)
-    r = (_pcg(index ^ key.to(tl.uint32)) >> SHIFT).to(tl.int32)
-    if IS_SIGN:
-        bits = tl.load(channel_ptr + row * (n_cols // 8) + cols // 8, mask=mask, other=0).to(tl.int32)
-        up = ((bits >> (cols % 8)) & 1) == 1
-        count = tl.full(r.shape, 8, tl.int32)
-    else:
-        nib = tl.load(channel_ptr + row * (n_cols // 2) + cols // 2, mask=mask, other=0).to(tl.int32)
-        signed = 2 * tl.where(cols % 2 == 0, nib & 15, nib >> 4) - 15
-        up = signed > 0
-        count = tl.abs(signed)
-    move = (r < count).to(tl.int32)
-    code = tl.minimum(tl.maximum(q + tl.where(up, move, -move), 0), 15)
-    n_groups = n_cols // group_size
-    scale = tl.load(scale_ptr + row * n_groups + cols // group_size, mask=mask, other=0).to(tl.float32)
-    minimum = tl.load(min_ptr + row * n_groups + cols // group_size, mask=mask, other=0).to(tl.float32)
-    w = code.to(tl.float32) * scale + minimum
+    rows = row + tl.arange(0, 1)
+    tile = _effective_tile(
+        packed_ptr, scale_ptr, min_ptr, channel_ptr, rows, rows >= 0, cols, mask, n_cols, group_size, key,
+        IS_SIGN, SHIFT,
+    )  # fmt: skip
+    w = tl.reshape(tile, (BLOCK_COLS,))
     if BF16_BITS:
         # Round to nearest even by hand: the interpreter's bfloat16 cast truncates, the GPU's rounds.
         bits = w.to(tl.uint32, bitcast=True)

@@ -295,10 +295,21 @@ class CpuDecoder:
 
     # ---- the step --------------------------------------------------------------------------------
     def decode(
-        self, tokens: torch.Tensor, cache: KVCache, loops: int, valid: torch.Tensor | None, last_only: bool
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None,
+        loops: int,
+        valid: torch.Tensor | None,
+        last_only: bool,
+        start: torch.Tensor,
+        resume: tuple[torch.Tensor, torch.Tensor] | None,
+        start_loop: int,
     ) -> ForwardOutput | None:
+        """One new token per row appended after the cache; everything else is declined."""
         B, T = tokens.shape
-        if T != 1 or type(cache).update not in _PLAIN_UPDATES or cache.batch != B:
+        if cache is None or resume is not None or T != 1 or type(cache).update not in _PLAIN_UPDATES:
+            return None
+        if cache.batch != B or not bool((start == cache.lengths).all()):
             return None
         if valid is not None and bool((valid.to("cpu") != 1).any()):
             return None

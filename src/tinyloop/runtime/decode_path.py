@@ -1,8 +1,8 @@
 """Chooses the specialised decode step for an engine's device (CPU fast path, CUDA graphs) if one applies.
 
-`Engine.step` hands a call to the decoder only when the call is a plain cached decode step: tokens
-appended after a dense `KVCache`, no resume, no hidden states asked for. Everything else — and any
-call a decoder declines by returning None — runs the generic `forward`.
+`Engine.step` offers every call over a dense `KVCache` in the compute dtype (or over no cache) that does not
+ask for hidden states to its decoder first; the decoder handles what it covers and declines the rest by
+returning None, which runs the generic `forward`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,17 @@ if TYPE_CHECKING:
 
 class Decoder(Protocol):
     def decode(
-        self, tokens: torch.Tensor, cache: KVCache, loops: int, valid: torch.Tensor | None, last_only: bool
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None,
+        loops: int,
+        valid: torch.Tensor | None,
+        last_only: bool,
+        start: torch.Tensor,
+        resume: tuple[torch.Tensor, torch.Tensor] | None,
+        start_loop: int,
     ) -> ForwardOutput | None:
-        """Append tokens [B, T] after what `cache` holds; None = not handled, use the generic path.
+        """`Engine.step`'s arguments, `start` ([B], CPU) already resolved; None = not handled.
 
         Must leave `cache.lengths` untouched: the engine updates it.
         """

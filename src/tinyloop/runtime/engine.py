@@ -91,26 +91,13 @@ class Engine:
                 raise ValueError(f"sequence of {end} tokens exceeds the cache's max_seq_len {cache.max_seq}")
         if end > self.cfg.max_position:
             raise ValueError(f"position {end} exceeds the model's maximum position {self.cfg.max_position}")
-        if (
-            self.decoder is not None
-            and not collect_states
-            and isinstance(cache, KVCache)
-            and cache.k.dtype == self.dtype
-        ):
-            handled = None
-            if resume is None and bool((start == cache.lengths).all()):
-                handled = self.decoder.decode(tokens, cache, loops, valid, last_only)
-            elif getattr(self.decoder, "resumes", False):  # e.g. the CUDA decoder: verification steps too
-                handled = self.decoder.decode(  # type: ignore[call-arg]
-                    tokens, cache, loops, valid, last_only, start=start, resume=resume, start_loop=start_loop
-                )
+        dense = cache is None or (isinstance(cache, KVCache) and cache.k.dtype == self.dtype)
+        if self.decoder is not None and dense and not collect_states:
+            kv = cache if isinstance(cache, KVCache) else None
+            handled = self.decoder.decode(tokens, kv, loops, valid, last_only, start, resume, start_loop)
             if handled is not None:
-                cache.lengths = torch.maximum(cache.lengths, start + valid_cpu)
-                return handled
-        score = getattr(self.decoder, "score", None)  # decoders that can also run uncached forwards
-        if score is not None and cache is None and resume is None and not collect_states and int(start.max()) == 0:
-            handled = score(tokens, loops, valid, last_only)
-            if handled is not None:
+                if cache is not None:
+                    cache.lengths = torch.maximum(cache.lengths, start + valid_cpu)
                 return handled
         positions = (start[:, None] + torch.arange(T)[None, :]).to(self.device)
         fresh = cache is None or int(start.max()) == 0

@@ -89,24 +89,27 @@ class FusedDecoder:
         plain = all(isinstance(m, (Int4Weight, torch.Tensor)) and not has_cross_iter_weight(m) for m in mats)
         return self.cfg.norm_kind == "rmsnorm" and plain
 
-    # Engine.step also hands this decoder steps at other positions and resumed steps (verification).
-    resumes = True
-
     def decode(
         self,
         tokens: torch.Tensor,
-        cache: KVCache,
+        cache: KVCache | None,
         loops: int,
         valid: torch.Tensor | None,
         last_only: bool,
-        start: torch.Tensor | None = None,
-        resume: tuple[torch.Tensor, torch.Tensor] | None = None,
-        start_loop: int = 0,
+        start: torch.Tensor,
+        resume: tuple[torch.Tensor, torch.Tensor] | None,
+        start_loop: int,
     ) -> ForwardOutput | None:
+        """Any step over the cache (appended, rewritten at `start`, resumed); without a cache an uncached
+        forward from position 0 (scoring), run over a scratch cache kept for reuse."""
+        if cache is None:
+            if bool((start != 0).any()):
+                return None
+            cache = self._scratch_cache(tokens.shape[0], tokens.shape[1], loops)
         B, T = tokens.shape
         if not self.supported or (valid is not None and bool((valid.to("cpu") != T).any())):
             return None
-        begin = cache.lengths if start is None else start.to("cpu", torch.long)
+        begin = start.to("cpu", torch.long)
         if T > FUSED_ATTENTION_MAX_TOKENS and bool((begin != 0).any()):
             return None
         positions = (begin[:, None] + torch.arange(T)[None, :]).reshape(-1)
@@ -141,17 +144,13 @@ class FusedDecoder:
             prelude_out=None if out.prelude_out is None else out.prelude_out.clone(),
         )
 
-    def score(
-        self, tokens: torch.Tensor, loops: int, valid: torch.Tensor | None, last_only: bool
-    ) -> ForwardOutput | None:
-        """An uncached forward from position 0 (scoring), run over a scratch cache kept for reuse."""
-        B, T = tokens.shape
+    def _scratch_cache(self, batch: int, tokens: int, loops: int) -> KVCache:
         scratch = self._scratch
-        if scratch is None or scratch.batch != B or scratch.max_seq < T or scratch.loops < loops:
+        if scratch is None or scratch.batch != batch or scratch.max_seq < tokens or scratch.loops < loops:
             self._scratch = None  # release the old one before allocating
-            scratch = self._scratch = self.engine.new_cache(B, T, loops)
-        scratch.lengths = torch.zeros(B, dtype=torch.long)
-        return self.decode(tokens, scratch, loops, valid, last_only)
+            scratch = self._scratch = self.engine.new_cache(batch, tokens, loops)
+        scratch.lengths = torch.zeros(batch, dtype=torch.long)
+        return scratch
 
     def _capture(
         self,
