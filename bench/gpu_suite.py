@@ -194,8 +194,8 @@ SEED_SHAPES = {  # name: (N, K, act); swiglu reads 2N rows
     "head": (32000, 2048, 0),
 }  # fmt: skip
 MATVEC_CANDIDATES = {  # rows -> (BLOCK_N, BLOCK_K, num_warps)
-    1: [(4, 1024, 4), (4, 1024, 8), (8, 1024, 8), (4, 2048, 8), (2, 1024, 4), (2, 2048, 4), (8, 512, 4),
-        (1, 2048, 4), (2, 1024, 2)],
+    1: [(4, 1024, 4), (4, 2048, 8), (2, 1024, 4), (2, 2048, 4), (2, 1024, 2), (4, 512, 4), (8, 512, 4),
+        (4, 2048, 4), (2, 512, 2), (1, 1024, 2)],
     4: [(1, 512, 4), (2, 512, 4), (4, 512, 4), (2, 1024, 4)],
     8: [(1, 512, 4), (2, 512, 4), (1, 1024, 4), (2, 1024, 8)],
 }  # fmt: skip
@@ -230,7 +230,10 @@ def quick_correctness_section() -> dict[str, Any]:
 
 
 def sweep_section() -> dict[str, Any]:
-    res: dict[str, Any] = {"matvec": {}, "matmul": {}}
+    from tinyloop.kernels.cuda_backend import pdl_supported
+
+    cuda_ops.USE_PDL = pdl_supported()  # as a CUDA engine runs them
+    res: dict[str, Any] = {"matvec": {}, "matmul": {}, "pdl": cuda_ops.USE_PDL}
     gen = torch.Generator(device="cuda").manual_seed(0)
     best: dict[tuple[int, int, int], tuple[int, int, int]] = {}
     for name, (n, k, act) in SEED_SHAPES.items():
@@ -241,7 +244,7 @@ def sweep_section() -> dict[str, Any]:
                          (torch.rand(rows_w, k // 64, device="cuda", generator=gen) * -0.05).half(), 64)
               for _ in range(copies)]  # fmt: skip
         nbytes = ws[0].nbytes
-        for rows in (1, 4, 8):
+        for rows in (1, 4):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             table = {}
             for cfg in MATVEC_CANDIDATES[rows]:
@@ -261,6 +264,9 @@ def sweep_section() -> dict[str, Any]:
             best[(n, k, rows)] = tuple(int(v) for v in win.strip("()").split(","))  # type: ignore[assignment]
             cuda_ops.MATVEC_CONFIGS[(n, k, rows)] = best[(n, k, rows)]
             res["matvec"][f"{name} rows={rows}"] = {"best": win, **ok[win], "all": table}
+            if rows == 1:  # the same weight every call: served from L2 (is the kernel bound by DRAM?)
+                t = graph_time(lambda x=x, w=ws[0], act=act: cuda_ops.fused_linear(x, w, act=act), copies * 2)
+                res["matvec"][f"{name} rows=1"]["l2_resident"] = {"us": t * 1e6, "GBps": nbytes / t / 1e9}
             print(name, rows, win, ok[win], flush=True)
         # Tensor-core tiles vs dequantize + cuBLAS for prefill-sized row counts.
         for rows in (16, 128, 1024) if name in ("qkv", "gate_up") and MATMUL_SWEEP else ():
@@ -291,6 +297,96 @@ def sweep_section() -> dict[str, Any]:
         torch.cuda.empty_cache()
     res["chosen_matvec"] = {str(k): v for k, v in best.items()}
     return res
+
+
+def pdl_section() -> dict[str, Any]:
+    """The INT4 matvec back to back in a graph (weights streamed from DRAM), without and with programmatic
+    dependent launch, at the tuned tiles."""
+    res: dict[str, Any] = {}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    old = cuda_ops.USE_PDL
+    for name, (n, k, act) in SEED_SHAPES.items():
+        rows_w = 2 * n if act == 1 else n
+        copies = max(2, min(24, int(600e6 // (rows_w * k // 2))))
+        ws = [Int4Weight(torch.randint(0, 256, (rows_w, k // 2), dtype=torch.uint8, device="cuda", generator=gen),
+                         (torch.rand(rows_w, k // 64, device="cuda", generator=gen) * 0.01).half(),
+                         (torch.rand(rows_w, k // 64, device="cuda", generator=gen) * -0.05).half(), 64)
+              for _ in range(copies)]  # fmt: skip
+        for rows in (1, 4):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            it = iter(range(10**9))
+
+            def call(x: Any = x, ws: Any = ws, it: Any = it, copies: int = copies, act: int = act) -> None:
+                cuda_ops.fused_linear(x, ws[next(it) % copies], act=act)
+
+            entry = {}
+            for pdl in (False, True):
+                cuda_ops.USE_PDL = pdl
+                t = graph_time(call, copies * 2)
+                entry["pdl" if pdl else "plain"] = {"us": t * 1e6, "GBps": ws[0].nbytes / t / 1e9}
+            res[f"{name} rows={rows}"] = entry
+            print(name, rows, {k_: round(v["us"], 2) for k_, v in entry.items()}, flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    cuda_ops.USE_PDL = old
+    return res
+
+
+def _profile_decode(path: str, loops: int, tokens: int = 32) -> dict[str, Any]:
+    """Kernel time per decode token by kernel name (torch profiler over graph replays), against wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    m = tinyloop.Model(path, max_seq_len=512, device="cuda")
+    prompt = np.random.default_rng(5).integers(0, m.config["vocab_size"], 128).astype(np.int32)
+    for _ in range(2):
+        m.generate(prompt, tokens, loops=loops, temperature=0.0)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        m.generate(prompt, tokens, loops=loops, temperature=0.0)
+    wall = m.last_stats.decode_s / max(m.last_stats.generated_tokens - 1, 1)
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(ev.name[:60], []).append(ev.device_time_total)
+    steps = tokens + 1
+    table = {k: {"us_per_token": sum(v) / steps, "calls_per_token": len(v) / steps, "us_per_call": sum(v) / len(v)}
+             for k, v in kernels.items()}  # fmt: skip
+    m.close()
+    torch.cuda.empty_cache()
+    busy = sum(v["us_per_token"] for v in table.values())
+    return {"wall_us_per_token": wall * 1e6, "kernel_us_per_token": busy,
+            "kernels": dict(sorted(table.items(), key=lambda kv: -kv[1]["us_per_token"]))}  # fmt: skip
+
+
+def _with_attrs(module: Any, attrs: dict[str, Any], fn: Callable[[], Any]) -> Any:
+    old = {k: getattr(module, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(module, k, v)
+    try:
+        return fn()
+    finally:
+        for k, v in old.items():
+            setattr(module, k, v)
+
+
+def profile_section() -> dict[str, Any]:
+    """Kernel time per decode token of seed-407m (loops 8) under the PDL and attention variants."""
+    from tinyloop.runtime import fused_decode
+
+    wait_for_models(SEED_PATH)
+    run = lambda: _profile_decode(SEED_PATH, 8)  # noqa: E731
+    out = {
+        "default": run(),
+        "no_pdl": with_env({"TINYLOOP_DISABLE_PDL": "1"}, run),
+        "rope_store_then_attention": _with_attrs(fused_decode, {"ROPE_ATTENTION_ONE_KERNEL": False}, run),
+    }
+    for block, warps in ((64, 4), (32, 4), (256, 8), (128, 4)):
+        attrs = {"ATTENTION_BLOCK": block, "ATTENTION_WARPS": warps}
+        out[f"attention_{block}_{warps}"] = _with_attrs(cuda_ops, attrs, run)
+    for k, v in out.items():
+        print(k, round(v["wall_us_per_token"], 1), round(v["kernel_us_per_token"], 1), flush=True)
+        for name, row in list(v["kernels"].items())[:5]:
+            print("   ", name, {a: round(b, 2) for a, b in row.items()}, flush=True)
+    return out
 
 
 # ---- seed-407m and Ouro benchmarks ------------------------------------------------------------------
@@ -482,6 +578,8 @@ SECTIONS = {
     "correctness": correctness_section,
     "quick_correctness": quick_correctness_section,
     "sweep": sweep_section,
+    "pdl": pdl_section,
+    "profile": profile_section,
     "seed407m": seed_section,
     "ouro": ouro_section,
     "cli": cli_section,

@@ -40,6 +40,7 @@ class RuntimeEnv:
     kv_h_mode: bool
     fp16_body: bool
     disable_cublas_fp16: bool
+    disable_pdl: bool
     disable_flash2_prefill: bool
     use_cudnn_sdpa: bool
     cross_iter_round: bool
@@ -58,6 +59,7 @@ class RuntimeEnv:
             kv_h_mode=_flag("TINYLOOP_KV_H_MODE"),
             fp16_body=_flag("TINYLOOP_EXPERIMENTAL_FP16_BODY"),
             disable_cublas_fp16=_flag("TINYLOOP_DISABLE_CUBLAS_FP16"),
+            disable_pdl=_flag("TINYLOOP_DISABLE_PDL"),
             disable_flash2_prefill=_flag("TINYLOOP_DISABLE_FLASH2_PREFILL"),
             use_cudnn_sdpa=_flag("TINYLOOP_USE_CUDNN_SDPA"),
             cross_iter_round=_flag("TINYLOOP_CROSS_ITER_ROUND"),

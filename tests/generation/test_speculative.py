@@ -146,3 +146,21 @@ def test_policy_decodes_plain_on_cuda_even_when_drafts_agree() -> None:
     assert cuda.best_cost_per_token() > cuda.plain_cost()
     assert [cuda.next_k(100) for _ in range(64)] == [0] * 64
     assert cuda.next_k(100) == 1  # the probe after the pause
+    assert cpu.can_pay() and not cuda.can_pay()
+
+
+def test_speculation_that_cannot_pay_decodes_plain_outright(model, monkeypatch) -> None:
+    """Where no draft length could beat plain decoding (the CUDA cost model, forced here on the CPU), the
+    adaptive path is plain decoding itself: same tokens, no verify pass, the stats say so."""
+    from tinyloop.runtime import spec_policy
+
+    monkeypatch.setitem(spec_policy.EXTRA_TOKEN_COST_BY_DEVICE, "cpu", 1.0)
+    prompt = list(PROMPTS[1])
+    plain = model.generate(prompt, 20, loops=8, temperature=0.0)
+    res = model.generate_speculative(prompt, 20, 2, 8, 4)
+    np.testing.assert_array_equal(res.tokens, plain)
+    assert res.stats.verify_passes == 0 and res.stats.plain_steps == 19 and res.stats.stop_reason == "max_tokens"
+    stop = int(plain[5])
+    cut = model.generate_speculative(prompt, 20, 2, 8, 4, stop_tokens=[stop])
+    np.testing.assert_array_equal(cut.tokens, plain[: list(plain).index(stop)])
+    assert cut.stats.stop_reason == "stop_token"

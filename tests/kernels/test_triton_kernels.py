@@ -122,3 +122,23 @@ def test_rope_store_and_cached_attention(pairing: str) -> None:
                 probs = torch.softmax(keys @ q_ref[b, t, h].double() * hd**-0.5, dim=0)
                 ref[b * T + t, h * hd : (h + 1) * hd] = probs @ values
     assert frob_rel_error(out, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("pairing", ["half", "interleaved"])
+def test_one_token_rope_attention_equals_two_kernels(pairing: str) -> None:
+    B, H, KVH, hd, S = 3, 4, 2, 16, 300  # positions past one attention block
+    gen = torch.Generator().manual_seed(4)
+    cfg = ArchConfig(
+        vocab_size=64, d_model=64, n_heads=H, n_kv_heads=KVH, head_dim=hd, ffn_dim=64,
+        n_prelude=0, n_body=1, n_coda=0, rope_pairing=pairing,
+    )  # fmt: skip
+    cos, sin = rope_tables(cfg, S, "cpu")
+    qkv = torch.randn(B, (H + 2 * KVH) * hd, generator=gen)
+    k_cache, v_cache = torch.randn(B, KVH, S, hd, generator=gen), torch.randn(B, KVH, S, hd, generator=gen)
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    pos = torch.tensor([0, 7, 260])
+    out = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, pairing == "interleaved")
+    q = ops.rope_store(qkv, k2, v2, pos, cos, sin, H, KVH, hd, 1, pairing == "interleaved")
+    ref = ops.cached_attention(q, k2, v2, pos, 1)
+    assert torch.allclose(k_cache, k2, atol=1e-6) and torch.equal(v_cache, v2)
+    assert frob_rel_error(out, ref.double()) <= 1e-6

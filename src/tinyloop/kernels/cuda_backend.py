@@ -43,10 +43,22 @@ def install(env: RuntimeEnv) -> bool:
     from tinyloop.kernels import cuda_ops
 
     cuda_ops.USE_CUBLAS_16BIT = not env.disable_cublas_fp16
+    cuda_ops.USE_PDL = not env.disable_pdl and pdl_supported()
     if not _installed:
         register_linear_kernel("int4", "cuda", _int4_linear)
         _installed = True
     return True
+
+
+def pdl_supported() -> bool:
+    """Programmatic dependent launch: a Hopper-or-later GPU and a Triton that can launch with it."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return False
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
 def l2_cache_bytes() -> int:

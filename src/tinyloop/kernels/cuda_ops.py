@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import triton
 
 from tinyloop.kernels.dispatch import Weight
-from tinyloop.kernels.triton_attention import _cached_attention_kernel, _rope_store_kernel
+from tinyloop.kernels.triton_attention import _cached_attention_kernel, _rope_attention_kernel, _rope_store_kernel
 from tinyloop.kernels.triton_matmul import (
     _dequant_kernel,
     _matmul_kernel,
@@ -34,14 +34,25 @@ INT4_MATVEC_MAX_ROWS = 4
 DOT_MAX_ROWS = 4
 
 # Cached attention: keys per iteration and warps per (row, head) program. Few programs run (one per
-# head), so each takes big bites of the cache to keep enough loads in flight.
-ATTENTION_BLOCK = 128
+# head), so each takes big bites of the cache to keep enough loads in flight (H200, seed-407m decode with
+# PDL: 12.5 us per layer at 256 keys / 8 warps, 13.4 at 128 / 4, 13.9 at 128 / 8, 17.9 at 32 / 4).
+ATTENTION_BLOCK = 256
 ATTENTION_WARPS = 8
 
 # (N, K, rows) -> (BLOCK_N, BLOCK_K, num_warps); filled by benchmark sweeps to override the heuristic.
 MATVEC_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every tensor-core launch, or None: heuristic.
 MATMUL_CONFIG: tuple[int, int, int, int, int] | None = None
+
+
+# Programmatic dependent launch (Hopper and later; kernels/cuda_backend.py sets it, TINYLOOP_DISABLE_PDL=1
+# keeps it off): the fused decode's kernels start while the previous one finishes and wait for its
+# results in-kernel (GEMVs fetch their first weight tile before the wait).
+USE_PDL = False
+
+
+def _pdl() -> dict[str, bool]:
+    return {"PDL": True, "launch_pdl": True} if USE_PDL else {"PDL": False}
 
 
 # TINYLOOP_DISABLE_CUBLAS_FP16=1 clears this (kernels/cuda_backend.py): 16-bit weights then go through
@@ -52,10 +63,10 @@ USE_CUBLAS_16BIT = True
 def _matvec_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, int]:
     if (n, k, rows) in MATVEC_CONFIGS:
         return MATVEC_CONFIGS[(n, k, rows)]
-    # Winners of bench/gpu_suite.py's sweep on an H200 (seed-407m shapes, docs/BENCHMARKS.md): 4 output
-    # features a program; long rows in 2048-column bites with 8 warps when there are few features.
+    # Winners of bench/gpu_suite.py's sweep on an H200 (seed-407m shapes, with PDL; docs/BENCHMARKS.md):
+    # 4 output features and 4 warps a program; long rows in 2048-column bites when there are few features.
     if rows == 1:
-        return (4, max(group, 2048), 8) if n <= 2048 else (4, max(group, 1024), 4)
+        return (4, max(group, 2048), 4) if n <= 2048 else (4, max(group, 1024), 4)
     return 4, max(group, 512), 4
 
 
@@ -114,12 +125,12 @@ def fused_linear(
         del flags["INT4"]
         if M == 1:
             _matvec1_int4_kernel[(triton.cdiv(N, block_n),)](
-                *args, *strides, **flags, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps
+                *args, *strides, **flags, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **_pdl()
             )
         else:
             _matvec_rows_int4_kernel[(triton.cdiv(N, block_n),)](
                 *args, *strides, **flags, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
-                num_warps=warps,
+                num_warps=warps, **_pdl(),
             )  # fmt: skip
         return out
     if M <= MATVEC_MAX_ROWS:
@@ -185,7 +196,7 @@ def rms_norm(
     res = residual if residual is not None else x
     _rms_norm_kernel[(M,)](
         x, res, weight, out, D, eps, x.stride(0), res.stride(0), out.stride(0), MODE=mode,
-        BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8,
+        BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8, **_pdl(),
     )  # fmt: skip
     return out
 
@@ -210,7 +221,7 @@ def rope_store(
     _rope_store_kernel[(rows, n_heads + 2 * n_kv_heads)](
         qkv, q, k_cache, v_cache, positions, cos, sin, seq, qkv.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        N_HEADS=n_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, INTERLEAVED=interleaved, num_warps=1,
+        N_HEADS=n_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, INTERLEAVED=interleaved, num_warps=1, **_pdl(),
     )  # fmt: skip
     return q
 
@@ -226,5 +237,31 @@ def cached_attention(
         q, k_cache, v_cache, positions, out, seq, head_dim**-0.5,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         N_HEADS=n_heads, GROUP=n_heads // n_kv, HEAD_DIM=head_dim, BLOCK_S=ATTENTION_BLOCK, num_warps=ATTENTION_WARPS,
+        **_pdl(),
+    )  # fmt: skip
+    return out
+
+
+def rope_attention(
+    qkv: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    n_heads: int,
+    n_kv_heads: int,
+    head_dim: int,
+    interleaved: bool,
+) -> torch.Tensor:
+    """One token per sequence: `rope_store` + `cached_attention` in one launch. qkv [B, (H + 2 KVH) hd],
+    positions [B] -> [B, H * hd]; the new key and value are written into the cache at `positions`."""
+    rows = qkv.shape[0]
+    out = torch.empty((rows, n_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
+    _rope_attention_kernel[(rows, n_heads)](
+        qkv, k_cache, v_cache, positions, cos, sin, out, head_dim**-0.5, qkv.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        N_HEADS=n_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, INTERLEAVED=interleaved, BLOCK_S=ATTENTION_BLOCK,
+        num_warps=ATTENTION_WARPS, **_pdl(),
     )  # fmt: skip
     return out

@@ -28,9 +28,13 @@ def _rope_store_kernel(
     N_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (i, h): h < N_HEADS ropes query head h into q_out [rows, H, hd]; the next N_KV programs
     rope key heads into the cache, the last N_KV copy value heads into it."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0)
     h = tl.program_id(1)
     b = i // T
@@ -82,9 +86,13 @@ def _cached_attention_kernel(
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (i, h): query head h of row i attends to cache positions 0..pos[i] of its kv head
     (online softmax in float32); out [rows, H * hd]."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0)
     h = tl.program_id(1)
     b = i // T
@@ -112,3 +120,87 @@ def _cached_attention_kernel(
         m_i = m_new
     out = acc / l_i
     tl.store(out_ptr + (i * N_HEADS + h) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _rope_attention_kernel(
+    qkv_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    scale,
+    stride_qkv,
+    stride_cb,
+    stride_ch,
+    stride_cs,
+    N_HEADS: tl.constexpr,
+    N_KV: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One-token steps in one launch: program (b, h) ropes query head h and its kv head's new key, attends
+    to cache positions 0..pos-1 plus the new key/value held in registers, and (first query head of each kv
+    group) writes the new key/value into the cache. No program reads cache position pos, so the write
+    needs no ordering against the other programs."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // (N_HEADS // N_KV)
+    pos = tl.load(pos_ptr + b)
+    half = tl.arange(0, HEAD_DIM // 2)
+    if INTERLEAVED:
+        idx1 = 2 * half
+        idx2 = 2 * half + 1
+    else:
+        idx1 = half
+        idx2 = half + HEAD_DIM // 2
+    row = qkv_ptr + b * stride_qkv
+    c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + half)
+    s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + half)
+    q_base = row + h * HEAD_DIM
+    q1 = tl.load(q_base + idx1).to(tl.float32)
+    q2 = tl.load(q_base + idx2).to(tl.float32)
+    k_base = row + (N_HEADS + kvh) * HEAD_DIM
+    k1 = tl.load(k_base + idx1).to(tl.float32)
+    k2 = tl.load(k_base + idx2).to(tl.float32)
+    offs_d = tl.arange(0, HEAD_DIM)
+    v_new = tl.load(row + (N_HEADS + N_KV + kvh) * HEAD_DIM + offs_d)
+    # Rounded to the cache dtype like the two-kernel path (rope_store then attention over the cache).
+    dt = k_cache_ptr.dtype.element_ty
+    kr1 = (k1 * c - k2 * s).to(dt)
+    kr2 = (k2 * c + k1 * s).to(dt)
+    qr1 = (q1 * c - q2 * s).to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
+    qr2 = (q2 * c + q1 * s).to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
+    k_cache = k_cache_ptr + b * stride_cb + kvh * stride_ch
+    v_cache = v_cache_ptr + b * stride_cb + kvh * stride_ch
+    if h % (N_HEADS // N_KV) == 0:
+        tl.store(k_cache + pos * stride_cs + idx1, kr1)
+        tl.store(k_cache + pos * stride_cs + idx2, kr2)
+        tl.store(v_cache + pos * stride_cs + offs_d, v_new.to(dt))
+    m_i = tl.sum(kr1.to(tl.float32) * qr1, axis=0) + tl.sum(kr2.to(tl.float32) * qr2, axis=0)
+    l_i = tl.full((), 1.0, tl.float32)
+    acc = v_new.to(dt).to(tl.float32)
+    for s0 in range(0, pos, BLOCK_S):
+        offs_s = s0 + tl.arange(0, BLOCK_S)
+        s_mask = offs_s < pos
+        kp = k_cache + offs_s[:, None] * stride_cs
+        ka = tl.load(kp + idx1[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
+        kb = tl.load(kp + idx2[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_cache + offs_s[:, None] * stride_cs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        scores = tl.sum(ka * qr1[None, :], axis=1) + tl.sum(kb * qr2[None, :], axis=1)
+        scores = tl.where(s_mask, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+        p = tl.exp(scores - m_new)
+        alpha = tl.exp(m_i - m_new)
+        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        l_i = l_i * alpha + tl.sum(p, axis=0)
+        m_i = m_new
+    out = acc / l_i
+    tl.store(out_ptr + (b * N_HEADS + h) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))

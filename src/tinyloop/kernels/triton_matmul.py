@@ -217,6 +217,7 @@ def _matvec1_int4_kernel(
     RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One row times an INT4 matrix, on the packed words directly (no reshapes): column 8w + j is nibble j
     of word w, so x is read as 8 strided vectors. With NORM the row's 1/rms is gathered on the way and
@@ -228,13 +229,28 @@ def _matvec1_int4_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
     sumsq = tl.zeros((BLOCK_W,), tl.float32)
+    # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait
+    # (with programmatic dependent launch, while the previous kernel finishes), and each iteration fetches
+    # the next tile before using the current one.
+    offs_w = tl.arange(0, BLOCK_W)
+    mask2 = row_mask[:, None] & (offs_w < K // 8)[None, :]
+    words, s, mn = _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w, mask2, stride_w, stride_g, GROUP)
+    words_up, s_up, mn_up = words, s, mn
+    if ACT == 1:
+        words_up, s_up, mn_up = _load_words(w_ptr, s_ptr, m_ptr, rows + N, offs_w, mask2, stride_w, stride_g, GROUP)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     for k0 in range(0, K, BLOCK_K):
         offs_w = k0 // 8 + tl.arange(0, BLOCK_W)
         w_mask = offs_w < K // 8
-        mask2 = row_mask[:, None] & w_mask[None, :]
-        words, s, mn = _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w, mask2, stride_w, stride_g, GROUP)
+        cur, cur_s, cur_mn, cur_up, cur_s_up, cur_mn_up = words, s, mn, words_up, s_up, mn_up
+        nxt_mask = row_mask[:, None] & (offs_w + BLOCK_W < K // 8)[None, :]
+        words, s, mn = _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w + BLOCK_W, nxt_mask, stride_w, stride_g, GROUP)
         if ACT == 1:
-            words_up, s_up, mn_up = _load_words(w_ptr, s_ptr, m_ptr, rows + N, offs_w, mask2, stride_w, stride_g, GROUP)
+            words_up, s_up, mn_up = _load_words(
+                w_ptr, s_ptr, m_ptr, rows + N, offs_w + BLOCK_W, nxt_mask, stride_w, stride_g, GROUP
+            )
         part = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
         part_up = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
         xsum = tl.zeros((BLOCK_W,), tl.float32)
@@ -244,12 +260,12 @@ def _matvec1_int4_kernel(
                 sumsq += xj * xj
                 xj = xj * tl.load(nw_ptr + offs_w * 8 + j, mask=w_mask, other=0.0).to(tl.float32)
             xsum += xj
-            part += _nibble(words, j) * xj[None, :]
+            part += _nibble(cur, j) * xj[None, :]
             if ACT == 1:
-                part_up += _nibble(words_up, j) * xj[None, :]
-        acc += s * part + mn * xsum[None, :]
+                part_up += _nibble(cur_up, j) * xj[None, :]
+        acc += cur_s * part + cur_mn * xsum[None, :]
         if ACT == 1:
-            acc_up += s_up * part_up + mn_up * xsum[None, :]
+            acc_up += cur_s_up * part_up + cur_mn_up * xsum[None, :]
     y = tl.sum(acc, axis=1)
     y_up = tl.sum(acc_up, axis=1)
     if NORM:
@@ -290,6 +306,7 @@ def _matvec_rows_int4_kernel(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """The 1-row kernel for 2..ROWS rows (batched decode, speculative verification): each weight word is
     unpacked once and used for every row."""
@@ -302,13 +319,28 @@ def _matvec_rows_int4_kernel(
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
     acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
     sumsq = tl.zeros((ROWS, BLOCK_W), tl.float32)
+    # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait
+    # (with programmatic dependent launch, while the previous kernel finishes), and each iteration fetches
+    # the next tile before using the current one.
+    offs_w = tl.arange(0, BLOCK_W)
+    mask2 = row_mask[:, None] & (offs_w < K // 8)[None, :]
+    words, s, mn = _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w, mask2, stride_w, stride_g, GROUP)
+    words_up, s_up, mn_up = words, s, mn
+    if ACT == 1:
+        words_up, s_up, mn_up = _load_words(w_ptr, s_ptr, m_ptr, rows + N, offs_w, mask2, stride_w, stride_g, GROUP)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     for k0 in range(0, K, BLOCK_K):
         offs_w = k0 // 8 + tl.arange(0, BLOCK_W)
         w_mask = offs_w < K // 8
-        mask2 = row_mask[:, None] & w_mask[None, :]
-        words, s, mn = _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w, mask2, stride_w, stride_g, GROUP)
+        cur, cur_s, cur_mn, cur_up, cur_s_up, cur_mn_up = words, s, mn, words_up, s_up, mn_up
+        nxt_mask = row_mask[:, None] & (offs_w + BLOCK_W < K // 8)[None, :]
+        words, s, mn = _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w + BLOCK_W, nxt_mask, stride_w, stride_g, GROUP)
         if ACT == 1:
-            words_up, s_up, mn_up = _load_words(w_ptr, s_ptr, m_ptr, rows + N, offs_w, mask2, stride_w, stride_g, GROUP)
+            words_up, s_up, mn_up = _load_words(
+                w_ptr, s_ptr, m_ptr, rows + N, offs_w + BLOCK_W, nxt_mask, stride_w, stride_g, GROUP
+            )
         part = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
         part_up = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
         xsum = tl.zeros((ROWS, BLOCK_W), tl.float32)
@@ -320,12 +352,12 @@ def _matvec_rows_int4_kernel(
                 sumsq += xj * xj
                 xj = xj * tl.load(nw_ptr + offs_w * 8 + j, mask=w_mask, other=0.0).to(tl.float32)[None, :]
             xsum += xj
-            part += _nibble(words, j)[None, :, :] * xj[:, None, :]
+            part += _nibble(cur, j)[None, :, :] * xj[:, None, :]
             if ACT == 1:
-                part_up += _nibble(words_up, j)[None, :, :] * xj[:, None, :]
-        acc += s[None, :, :] * part + mn[None, :, :] * xsum[:, None, :]
+                part_up += _nibble(cur_up, j)[None, :, :] * xj[:, None, :]
+        acc += cur_s[None, :, :] * part + cur_mn[None, :, :] * xsum[:, None, :]
         if ACT == 1:
-            acc_up += s_up[None, :, :] * part_up + mn_up[None, :, :] * xsum[:, None, :]
+            acc_up += cur_s_up[None, :, :] * part_up + cur_mn_up[None, :, :] * xsum[:, None, :]
     y = tl.sum(acc, axis=2)
     y_up = tl.sum(acc_up, axis=2)
     if NORM:

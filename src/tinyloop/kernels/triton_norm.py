@@ -8,10 +8,24 @@ import triton.language as tl
 
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, D, eps, stride_x, stride_r, stride_o, MODE: tl.constexpr, BLOCK_D: tl.constexpr
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    D,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    MODE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Row i. MODE 0: norm(x); 1: res + norm(x); 2: norm(x + res). Rounds like the reference: the
     normalised value to the compute dtype, then times the weight in it."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     i = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D

@@ -29,6 +29,8 @@ from tinyloop.stochastic.weight import StochasticInt4Weight
 # Steps of up to this many tokens per row attend through the cached-attention kernel; longer steps
 # (prefill) use SDPA's tiled flash path and are only taken from an empty cache.
 FUSED_ATTENTION_MAX_TOKENS = 16
+# One-token steps rope, write the cache and attend in one launch (ops.rope_attention).
+ROPE_ATTENTION_ONE_KERNEL = True
 MAX_GRAPHS = 8
 
 
@@ -257,6 +259,12 @@ class FusedDecoder:
             bias=self._qkv_bias[id(lw)],
         )
         k_cache, v_cache = cache.k[slot], cache.v[slot]
+        if T == 1 and ROPE_ATTENTION_ONE_KERNEL:
+            attn = ops.rope_attention(
+                qkv, k_cache, v_cache, positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                cfg.rope_pairing == "interleaved",
+            )  # fmt: skip
+            return self._layer_rest(x, lw, attn)
         q = ops.rope_store(
             qkv, k_cache, v_cache, positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, T,
             cfg.rope_pairing == "interleaved",
@@ -268,6 +276,11 @@ class FusedDecoder:
             qh = q.view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
             out = sdpa(qh, k_cache[:, :, :T], v_cache[:, :, :T], causal=True, gqa=cfg.n_heads != cfg.n_kv_heads)
             attn = out.transpose(1, 2).reshape(B * T, cfg.q_dim)
+        return self._layer_rest(x, lw, attn)
+
+    def _layer_rest(self, x: torch.Tensor, lw: LayerWeights, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection + residual, then the MLP (norm + gate/up + activation, down + residual)."""
+        cfg = self.cfg
         if cfg.norm_placement == "pre":
             x = ops.fused_linear(attn, lw.out, residual=x)
         else:

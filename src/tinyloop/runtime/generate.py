@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tinyloop.cache.base import StepCache
+from tinyloop.cache.kv import KVCache
 from tinyloop.grammar.index import TokenIndex
 from tinyloop.runtime.depth_schedule import DepthSchedule, fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
@@ -47,6 +48,11 @@ class GenerationStats:
         return steps / self.decode_s if self.decode_s > 0 else 0.0
 
 
+# Tests switch the pipelined greedy loop on for CPU engines (it only pays on a GPU, where the host would
+# otherwise wait for every token).
+PIPELINE_ON_CPU = False
+
+
 def stream_tokens(
     engine: Engine,
     cache: StepCache | None,
@@ -70,8 +76,16 @@ def stream_tokens(
     stats = stats if stats is not None else GenerationStats()
     stats.prompt_tokens = int(prompt.numel())
     picker = TokenPicker(params, grammar, stop_tokens)
+    pipelined = (
+        (engine.device.type == "cuda" or PIPELINE_ON_CPU)
+        and isinstance(cache, KVCache)  # rolls back one position exactly (not a sliding-window ring)
+        and schedule is None
+        and grammar is None
+        and params.temperature == 0.0
+    )
+    decode = _decode_pipelined if pipelined else _decode
     try:
-        yield from _decode(engine, cache, prompt, max_tokens, loops, picker, stats, schedule)
+        yield from decode(engine, cache, prompt, max_tokens, loops, picker, stats, schedule)
     except GeneratorExit:
         stats.stop_reason = stats.stop_reason or "closed"
         raise
@@ -132,6 +146,72 @@ def _decode(
         stats.decode_s = time.perf_counter() - t1
         yield token
     stats.stop_reason = "max_tokens"
+
+
+def _decode_pipelined(
+    engine: Engine,
+    cache: StepCache | None,
+    prompt: torch.Tensor,
+    max_tokens: int,
+    loops: int,
+    picker: TokenPicker,
+    stats: GenerationStats,
+    schedule: DepthSchedule | None,
+) -> Iterator[int]:
+    """Greedy decoding on a GPU with the host one step ahead: each step's argmax stays on the device and
+    feeds the next step directly, and the host reads token t (through a pinned buffer) only after it has
+    queued step t + 1, so its per-token bookkeeping overlaps the GPU's work instead of idling it. Same
+    tokens as `_decode`; a stop token costs one extra step, whose cache position is dropped again."""
+    assert cache is not None and schedule is None
+    if max_tokens == 0:
+        stats.stop_reason = "max_tokens"
+        return
+    t0 = time.perf_counter()
+    cache.truncate(0)
+    logits = engine.step(prompt.to(torch.long).view(1, -1), cache, loops, last_only=True).logits
+    assert logits is not None
+    on_gpu = engine.device.type == "cuda"
+    host = torch.empty(max_tokens, dtype=torch.long, pin_memory=on_gpu)
+    ready: list[torch.cuda.Event] = []
+
+    def queue_readback(step: int, next_token: torch.Tensor) -> None:
+        host[step : step + 1].copy_(next_token, non_blocking=on_gpu)
+        if on_gpu:
+            event = torch.cuda.Event()
+            event.record()
+            ready.append(event)
+
+    next_token = logits[0, -1:].argmax(-1)
+    queue_readback(0, next_token)
+    prompt_len = int(cache.lengths[0])
+    t1 = time.perf_counter()
+    try:
+        for step in range(max_tokens):
+            if step + 1 < max_tokens:  # queue step + 1 before waiting for token `step`
+                logits = engine.step(next_token.view(1, 1), cache, loops, last_only=True).logits
+                assert logits is not None
+                next_token = logits[0, -1:].argmax(-1)
+                queue_readback(step + 1, next_token)
+            if on_gpu:
+                ready[step].synchronize()
+            token = int(host[step])
+            if step == 0:
+                stats.prefill_s = time.perf_counter() - t0
+                t1 = time.perf_counter()
+            if token in picker.stop_tokens:
+                stats.stop_reason = "stop_token"
+                return
+            stats.generated_tokens = step + 1
+            if step:
+                stats.decode_s = time.perf_counter() - t1
+            yield token
+        stats.stop_reason = "max_tokens"
+    finally:
+        # Leave the cache as the plain loop would: every yielded token fed but the last (all of them
+        # when a stop token ended it), i.e. without the step queued ahead.
+        n = stats.generated_tokens
+        keep = n if stats.stop_reason == "stop_token" else max(n - 1, 0)
+        cache.truncate(min(prompt_len + keep, int(cache.lengths[0])))
 
 
 class TokenPicker:

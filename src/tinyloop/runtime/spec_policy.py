@@ -127,6 +127,11 @@ class DraftPolicy:
         verify = ((self.verify_loops - d) * c.n_body + c.n_coda) * tokens + STEP_OVERHEAD_LAYERS
         return (k + 1) * draft + verify
 
+    def can_pay(self) -> bool:
+        """Whether any draft length could beat plain decoding even if every draft were accepted (on CUDA,
+        where each further verified token costs a full step, none can)."""
+        return any(self.round_cost(k) / (k + 1) < self.plain_cost() for k in range(1, self.k_max + 1))
+
     def expected_tokens(self, k: int) -> float:
         a = min(self.acceptance, 0.999)
         return (1 - a ** (k + 1)) / (1 - a)

@@ -30,7 +30,7 @@ from tinyloop.cache.base import StepCache
 from tinyloop.grammar.index import TokenIndex
 from tinyloop.runtime.depth_schedule import DepthSchedule, fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
-from tinyloop.runtime.generate import SamplingParams, TokenPicker
+from tinyloop.runtime.generate import GenerationStats, SamplingParams, TokenPicker, stream_tokens
 from tinyloop.runtime.sampling import filtered_probs
 from tinyloop.runtime.spec_accept import accept_draft, normalized
 from tinyloop.runtime.spec_policy import DraftPolicy
@@ -99,16 +99,52 @@ def speculative_tokens(
     same grammar, stop tokens and depth schedule: see stream_tokens)."""
     stats = stats if stats is not None else SpeculativeStats()
     stats.prompt_tokens = int(prompt.numel())
+    policy = DraftPolicy(
+        engine.cfg, spec.draft_loops, spec.verify_loops, spec.draft_ahead, spec.adaptive, engine.device.type
+    )
+    if spec.adaptive and not policy.can_pay():
+        # Plain decoding is the faster path on this device whatever the drafts: take it outright (on a GPU
+        # that is the pipelined greedy loop) rather than paying for probe rounds that cannot win.
+        yield from _plain(engine, cache, prompt, max_tokens, spec, params, stats, grammar, stop_tokens, schedule)
+        return
     picker = TokenPicker(params, grammar, stop_tokens)
     t0 = time.perf_counter()
     try:
-        yield from _rounds(engine, cache, prompt, max_tokens, spec, picker, stats, schedule)
+        yield from _rounds(engine, cache, prompt, max_tokens, spec, picker, stats, schedule, policy)
     except GeneratorExit:
         stats.stop_reason = stats.stop_reason or "closed"
         raise
     finally:
         stats.time_s = time.perf_counter() - t0
         stats.finished = picker.accepting()
+
+
+def _plain(
+    engine: Engine,
+    cache: StepCache,
+    prompt: torch.Tensor,
+    max_tokens: int,
+    spec: SpecConfig,
+    params: SamplingParams,
+    stats: SpeculativeStats,
+    grammar: TokenIndex | None,
+    stop_tokens: frozenset[int],
+    schedule: DepthSchedule | None,
+) -> Iterator[int]:
+    """Plain decoding at the verify depth, reported through the speculative statistics."""
+    plain = GenerationStats()
+    t0 = time.perf_counter()
+    try:
+        yield from stream_tokens(
+            engine, cache, prompt, max_tokens, spec.verify_loops, params, plain,
+            grammar=grammar, stop_tokens=stop_tokens, schedule=schedule,
+        )  # fmt: skip
+    finally:
+        stats.time_s = time.perf_counter() - t0
+        stats.generated_tokens, stats.prefill_s = plain.generated_tokens, plain.prefill_s
+        stats.plain_steps = max(plain.generated_tokens - 1, 0)
+        stats.plain_s = plain.decode_s
+        stats.stop_reason, stats.finished = plain.stop_reason or "closed", plain.finished
 
 
 def _rounds(
@@ -120,15 +156,13 @@ def _rounds(
     picker: TokenPicker,
     stats: SpeculativeStats,
     schedule: DepthSchedule | None,
+    policy: DraftPolicy,
 ) -> Iterator[int]:
     if max_tokens == 0 or picker.done():
         stats.stop_reason = "max_tokens" if max_tokens == 0 else "grammar_end"
         return
     t = time.perf_counter()
     cache.truncate(0)
-    policy = DraftPolicy(
-        engine.cfg, spec.draft_loops, spec.verify_loops, spec.draft_ahead, spec.adaptive, engine.device.type
-    )
     ids = prompt.to(torch.long).view(1, -1)
     if spec.adaptive and ids.shape[1] * engine.cfg.vocab_size <= PREFILL_ESTIMATE_LOGITS:
         last, agreement = _split_prefill(engine, cache, ids, spec, picker.params)
