@@ -1,8 +1,9 @@
 """The CUDA decode step: the looped forward over the static KV cache through fused Triton kernels,
 captured in CUDA graphs (one per batch size, token count, loop count and cache, built lazily).
 
-Per layer: RMSNorm + QKV (+ bias) -> RoPE + cache write -> cached attention -> output projection +
-residual -> RMSNorm + gate/up + SwiGLU -> down projection + residual; six launches instead of ~40.
+Per layer: RMSNorm + QKV (+ bias) -> RoPE + cache write + cached attention (one launch for one-token
+steps, two otherwise) -> output projection + residual -> RMSNorm + gate/up + SwiGLU -> down projection +
+residual; five launches instead of ~40, chained by programmatic dependent launch on Hopper.
 Same math and rounding points as `model/looped.py` (tests compare the two); configs it does not cover
 (LayerNorm) and ragged batches go back to the generic path.
 """
