@@ -175,3 +175,30 @@ def test_cli_text_flags_are_checked() -> None:
     assert args.chat and args.exit_threshold == 0.5 and args.exit_criterion == "argmax"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--exit-criterion", "nope"])
+
+
+def test_cli_text_model_stop_strings_regex_and_warmup(family_files) -> None:
+    """Stop strings, a regex over the BPE vocabulary and a depth warm-up work for models with an embedded
+    tokenizer too (through the runtime's loop); with family exits they are refused up front."""
+    import re
+
+    path = str(family_files["ouro"])
+    base = ["generate", "--prompt", "The quick", "--max-tokens", "12", "--temperature", "0", "--no-stop"]
+    full = _cli(path, *base)
+    assert full.returncode == 0, full.stderr
+    text = full.stdout[len("The quick") : -1]
+    stop = text[3:6]
+    assert stop
+    cut = _cli(path, *base, "--stop", stop)
+    assert cut.returncode == 0, cut.stderr
+    assert cut.stdout == "The quick" + text[: text.find(stop)] + "\n" and "stop: stop_string" in cut.stderr
+    pattern = "(ab|cd)[0-9]{1,2}"
+    con = _cli(
+        path, "generate", "--prompt", "The quick", "--max-tokens", "16", "--temperature", "0", "--regex", pattern
+    )
+    assert con.returncode == 0, con.stderr
+    assert re.fullmatch(pattern, con.stdout[len("The quick") : -1]), con.stdout
+    warm = _cli(path, *base, "--l-warmup-tokens", "3", "--l-warmup-L", "1")
+    assert warm.returncode == 0 and warm.stdout.startswith("The quick"), warm.stderr
+    bad = _cli(path, *base, "--stop", "x", "--exit-criterion", "kl")
+    assert bad.returncode == 2 and "do not combine" in bad.stderr

@@ -36,9 +36,7 @@ def run_generate(path: str, argv: list[str]) -> int:
         raise CliError("--stop must not be empty")
     grammar = build_grammar(args)
     if is_text_model(path):  # an embedded tokenizer: text prompts, family exits (cli/text_generate.py)
-        if args.l_warmup_tokens or grammar is not None or args.stop:
-            raise CliError("--l-warmup-tokens, --regex, --json-schema and --stop need a byte-vocabulary model for now")
-        return run_text_generate(path, args, argv)
+        return run_text_generate(path, args, argv, grammar)
     prompt = args.prompt.encode("utf-8")
     if not prompt:
         raise CliError("--prompt must not be empty")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from tinyloop.cli.args import CliError, Parser, non_negative_int, positive_int, probability
 
@@ -40,9 +41,15 @@ def _explicit(argv: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in argv)
 
 
-def run_text_generate(path: str, args: argparse.Namespace, argv: list[str]) -> int:
+def run_text_generate(path: str, args: argparse.Namespace, argv: list[str], grammar: Any = None) -> int:
+    """Family exits (--exit-*) go through the family decoder; stop strings, a grammar and a depth warm-up
+    through the runtime's generation loop (the two do not combine yet)."""
     if not args.prompt:
         raise CliError("--prompt must not be empty")
+    runtime_features = bool(args.stop) or grammar is not None or args.l_warmup_tokens > 0
+    exits = args.exit_threshold is not None or args.exit_at_step is not None or args.weighted_exit
+    if runtime_features and (exits or args.exit_criterion):
+        raise CliError("--stop, --regex, --json-schema and --l-warmup-tokens do not combine with the --exit-* options")
     if args.cache_window:
         raise CliError("--cache-window is not supported with an embedded tokenizer's generation yet")
     from tinyloop.api.model import Model
@@ -69,6 +76,8 @@ def run_text_generate(path: str, args: argparse.Namespace, argv: list[str]) -> i
         if not args.chat:
             out.write(args.prompt)
             out.flush()
+        if runtime_features:
+            return _runtime_generate(model, prompt, loops, args, grammar)
         try:
             stream = model.generate_text_stream(
                 prompt, args.max_tokens, loops, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -92,4 +101,34 @@ def run_text_generate(path: str, args: argparse.Namespace, argv: list[str]) -> i
             f"mean depth {depth:.2f})",
             file=sys.stderr,
         )
+    return 0
+
+
+def _runtime_generate(model: Any, prompt: str | list[dict[str, str]], loops: int, args: Any, grammar: Any) -> int:
+    """Text out of `Model.generate_stream`: stop strings, a grammar over the BPE vocabulary, a depth warm-up,
+    and the embedded tokenizer's end tokens (unless --no-stop)."""
+    tok = model.tokenizer
+    ids = tok.encode(prompt) if isinstance(prompt, str) else tok.chat_prompt(prompt, add_generation_prompt=True)
+    if ids.size == 0:
+        raise CliError("the prompt encodes to no tokens")
+    try:
+        stream = model.generate_stream(
+            ids, args.max_tokens, loops, args.temperature, args.top_k, args.top_p, args.seed,
+            stop_tokens=None if args.no_stop else list(tok.stop_ids), stop=args.stop, grammar=grammar,
+            l_warmup_tokens=args.l_warmup_tokens, l_warmup_loops=args.l_warmup_L, text=True,
+        )  # fmt: skip
+        for piece in stream:
+            sys.stdout.write(piece.text)
+            sys.stdout.flush()
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    s = model.last_stats
+    print(
+        f"prefill: {s.prefill_s * 1e3:.1f} ms ({s.prompt_tokens} tokens), "
+        f"decode: {s.decode_tokens_per_s:.1f} tokens/s ({s.generated_tokens} tokens, loops {loops}, "
+        f"stop: {s.stop_reason})",
+        file=sys.stderr,
+    )
     return 0
