@@ -9,6 +9,36 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tinyloop.kernels.triton_pdl import _wait_for_previous_kernel
+
+
+@triton.jit
+def _rope_pairs(HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Indices of the rotated pairs (x[idx1], x[idx2]) and of their frequencies (half)."""
+    half = tl.arange(0, HEAD_DIM // 2)
+    if INTERLEAVED:
+        idx1 = 2 * half
+        idx2 = 2 * half + 1
+    else:
+        idx1 = half
+        idx2 = half + HEAD_DIM // 2
+    return half, idx1, idx2
+
+
+@triton.jit
+def _rotate(x1, x2, c, s):
+    return x1 * c - x2 * s, x2 * c + x1 * s
+
+
+@triton.jit
+def _softmax_block(scores, v, m_i, l_i, acc):
+    """One online-softmax step over a block of keys: scores [S] (masked ones -inf), values v [S, hd]."""
+    m_new = tl.maximum(m_i, tl.max(scores, axis=0))
+    p = tl.exp(scores - m_new)
+    alpha = tl.exp(m_i - m_new)
+    acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+    return m_new, l_i * alpha + tl.sum(p, axis=0), acc
+
 
 @triton.jit
 def _rope_store_kernel(
@@ -32,20 +62,12 @@ def _rope_store_kernel(
 ):
     """Program (i, h): h < N_HEADS ropes query head h into q_out [rows, H, hd]; the next N_KV programs
     rope key heads into the cache, the last N_KV copy value heads into it."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _wait_for_previous_kernel(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
     b = i // T
     pos = tl.load(pos_ptr + i)
-    half = tl.arange(0, HEAD_DIM // 2)
-    if INTERLEAVED:
-        idx1 = 2 * half
-        idx2 = 2 * half + 1
-    else:
-        idx1 = half
-        idx2 = half + HEAD_DIM // 2
+    half, idx1, idx2 = _rope_pairs(HEAD_DIM, INTERLEAVED)
     row = qkv_ptr + i * stride_qkv
     if h < N_HEADS + N_KV:
         base = row + h * HEAD_DIM  # q heads then k heads are contiguous in qkv
@@ -53,8 +75,7 @@ def _rope_store_kernel(
         x2 = tl.load(base + idx2).to(tl.float32)
         c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + half)
         s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + half)
-        y1 = x1 * c - x2 * s
-        y2 = x2 * c + x1 * s
+        y1, y2 = _rotate(x1, x2, c, s)
         if h < N_HEADS:
             dst = q_out_ptr + (i * N_HEADS + h) * HEAD_DIM
         else:
@@ -90,9 +111,7 @@ def _cached_attention_kernel(
 ):
     """Program (i, h): query head h of row i attends to cache positions 0..pos[i] of its kv head
     (online softmax in float32); out [rows, H * hd]."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _wait_for_previous_kernel(PDL)
     i = tl.program_id(0)
     h = tl.program_id(1)
     b = i // T
@@ -111,13 +130,8 @@ def _cached_attention_kernel(
         k = tl.load(k_base + offs_s[:, None] * stride_cs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
         scores = tl.where(s_mask, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
-        p = tl.exp(scores - m_new)
-        alpha = tl.exp(m_i - m_new)
         v = tl.load(v_base + offs_s[:, None] * stride_cs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_block(scores, v, m_i, l_i, acc)
     out = acc / l_i
     tl.store(out_ptr + (i * N_HEADS + h) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
@@ -147,20 +161,12 @@ def _rope_attention_kernel(
     to cache positions 0..pos-1 plus the new key/value held in registers, and (first query head of each kv
     group) writes the new key/value into the cache. No program reads cache position pos, so the write
     needs no ordering against the other programs."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _wait_for_previous_kernel(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // (N_HEADS // N_KV)
     pos = tl.load(pos_ptr + b)
-    half = tl.arange(0, HEAD_DIM // 2)
-    if INTERLEAVED:
-        idx1 = 2 * half
-        idx2 = 2 * half + 1
-    else:
-        idx1 = half
-        idx2 = half + HEAD_DIM // 2
+    half, idx1, idx2 = _rope_pairs(HEAD_DIM, INTERLEAVED)
     row = qkv_ptr + b * stride_qkv
     c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + half)
     s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + half)
@@ -174,10 +180,11 @@ def _rope_attention_kernel(
     v_new = tl.load(row + (N_HEADS + N_KV + kvh) * HEAD_DIM + offs_d)
     # Rounded to the cache dtype like the two-kernel path (rope_store then attention over the cache).
     dt = k_cache_ptr.dtype.element_ty
-    kr1 = (k1 * c - k2 * s).to(dt)
-    kr2 = (k2 * c + k1 * s).to(dt)
-    qr1 = (q1 * c - q2 * s).to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
-    qr2 = (q2 * c + q1 * s).to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
+    kr1, kr2 = _rotate(k1, k2, c, s)
+    kr1, kr2 = kr1.to(dt), kr2.to(dt)
+    qr1, qr2 = _rotate(q1, q2, c, s)
+    qr1 = qr1.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
+    qr2 = qr2.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
     k_cache = k_cache_ptr + b * stride_cb + kvh * stride_ch
     v_cache = v_cache_ptr + b * stride_cb + kvh * stride_ch
     if h % (N_HEADS // N_KV) == 0:
@@ -196,11 +203,6 @@ def _rope_attention_kernel(
         v = tl.load(v_cache + offs_s[:, None] * stride_cs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
         scores = tl.sum(ka * qr1[None, :], axis=1) + tl.sum(kb * qr2[None, :], axis=1)
         scores = tl.where(s_mask, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=0))
-        p = tl.exp(scores - m_new)
-        alpha = tl.exp(m_i - m_new)
-        acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_block(scores, v, m_i, l_i, acc)
     out = acc / l_i
     tl.store(out_ptr + (b * N_HEADS + h) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))

@@ -14,6 +14,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tinyloop.kernels.triton_pdl import _wait_for_previous_kernel
+
 # 2**23 as float32 bits: OR-ing a 4-bit value into the mantissa and subtracting 2**23 converts it
 # exactly, with integer and add units instead of the slower int-to-float conversion.
 _MAGIC_BITS = tl.constexpr(0x4B000000)
@@ -192,6 +194,20 @@ def _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w, mask, stride_w, stride_g, GRO
 
 
 @triton.jit
+def _load_tiles(
+    w_ptr, s_ptr, m_ptr, rows, row_mask, offs_w, N, K, stride_w, stride_g, GROUP: tl.constexpr, ACT: tl.constexpr
+):
+    """The word tile at word columns `offs_w` (zeros past K) of rows `rows`, and with SwiGLU (ACT 1) the
+    matching tile of the up rows (rows + N); without it the second tile repeats the first (unused)."""
+    mask = row_mask[:, None] & (offs_w < K // 8)[None, :]
+    words, s, mn = _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w, mask, stride_w, stride_g, GROUP)
+    words_up, s_up, mn_up = words, s, mn
+    if ACT == 1:
+        words_up, s_up, mn_up = _load_words(w_ptr, s_ptr, m_ptr, rows + N, offs_w, mask, stride_w, stride_g, GROUP)
+    return words, s, mn, words_up, s_up, mn_up
+
+
+@triton.jit
 def _matvec1_int4_kernel(
     x_ptr,
     w_ptr,
@@ -232,25 +248,17 @@ def _matvec1_int4_kernel(
     # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait
     # (with programmatic dependent launch, while the previous kernel finishes), and each iteration fetches
     # the next tile before using the current one.
-    offs_w = tl.arange(0, BLOCK_W)
-    mask2 = row_mask[:, None] & (offs_w < K // 8)[None, :]
-    words, s, mn = _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w, mask2, stride_w, stride_g, GROUP)
-    words_up, s_up, mn_up = words, s, mn
-    if ACT == 1:
-        words_up, s_up, mn_up = _load_words(w_ptr, s_ptr, m_ptr, rows + N, offs_w, mask2, stride_w, stride_g, GROUP)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    words, s, mn, words_up, s_up, mn_up = _load_tiles(
+        w_ptr, s_ptr, m_ptr, rows, row_mask, tl.arange(0, BLOCK_W), N, K, stride_w, stride_g, GROUP, ACT
+    )
+    _wait_for_previous_kernel(PDL)
     for k0 in range(0, K, BLOCK_K):
         offs_w = k0 // 8 + tl.arange(0, BLOCK_W)
         w_mask = offs_w < K // 8
         cur, cur_s, cur_mn, cur_up, cur_s_up, cur_mn_up = words, s, mn, words_up, s_up, mn_up
-        nxt_mask = row_mask[:, None] & (offs_w + BLOCK_W < K // 8)[None, :]
-        words, s, mn = _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w + BLOCK_W, nxt_mask, stride_w, stride_g, GROUP)
-        if ACT == 1:
-            words_up, s_up, mn_up = _load_words(
-                w_ptr, s_ptr, m_ptr, rows + N, offs_w + BLOCK_W, nxt_mask, stride_w, stride_g, GROUP
-            )
+        words, s, mn, words_up, s_up, mn_up = _load_tiles(
+            w_ptr, s_ptr, m_ptr, rows, row_mask, offs_w + BLOCK_W, N, K, stride_w, stride_g, GROUP, ACT
+        )
         part = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
         part_up = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
         xsum = tl.zeros((BLOCK_W,), tl.float32)
@@ -322,25 +330,17 @@ def _matvec_rows_int4_kernel(
     # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait
     # (with programmatic dependent launch, while the previous kernel finishes), and each iteration fetches
     # the next tile before using the current one.
-    offs_w = tl.arange(0, BLOCK_W)
-    mask2 = row_mask[:, None] & (offs_w < K // 8)[None, :]
-    words, s, mn = _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w, mask2, stride_w, stride_g, GROUP)
-    words_up, s_up, mn_up = words, s, mn
-    if ACT == 1:
-        words_up, s_up, mn_up = _load_words(w_ptr, s_ptr, m_ptr, rows + N, offs_w, mask2, stride_w, stride_g, GROUP)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    words, s, mn, words_up, s_up, mn_up = _load_tiles(
+        w_ptr, s_ptr, m_ptr, rows, row_mask, tl.arange(0, BLOCK_W), N, K, stride_w, stride_g, GROUP, ACT
+    )
+    _wait_for_previous_kernel(PDL)
     for k0 in range(0, K, BLOCK_K):
         offs_w = k0 // 8 + tl.arange(0, BLOCK_W)
         w_mask = offs_w < K // 8
         cur, cur_s, cur_mn, cur_up, cur_s_up, cur_mn_up = words, s, mn, words_up, s_up, mn_up
-        nxt_mask = row_mask[:, None] & (offs_w + BLOCK_W < K // 8)[None, :]
-        words, s, mn = _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w + BLOCK_W, nxt_mask, stride_w, stride_g, GROUP)
-        if ACT == 1:
-            words_up, s_up, mn_up = _load_words(
-                w_ptr, s_ptr, m_ptr, rows + N, offs_w + BLOCK_W, nxt_mask, stride_w, stride_g, GROUP
-            )
+        words, s, mn, words_up, s_up, mn_up = _load_tiles(
+            w_ptr, s_ptr, m_ptr, rows, row_mask, offs_w + BLOCK_W, N, K, stride_w, stride_g, GROUP, ACT
+        )
         part = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
         part_up = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
         xsum = tl.zeros((ROWS, BLOCK_W), tl.float32)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tinyloop.kernels.triton_pdl import _wait_for_previous_kernel
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -23,9 +25,7 @@ def _rms_norm_kernel(
 ):
     """Row i. MODE 0: norm(x); 1: res + norm(x); 2: norm(x + res). Rounds like the reference: the
     normalised value to the compute dtype, then times the weight in it."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    _wait_for_previous_kernel(PDL)
     i = tl.program_id(0)
     offs = tl.arange(0, BLOCK_D)
     mask = offs < D
