@@ -29,7 +29,7 @@ import torch
 
 import tinyloop
 from tinyloop.kernels import cuda_ops
-from tinyloop.quant import Int4Weight, quantize_int4
+from tinyloop.quant import BlockedInt4Weight, Int4Weight, quantize_int4
 
 RESULTS: dict[str, Any] = {"errors": {}}
 OUT = Path("gpu_suite.json")
@@ -222,6 +222,11 @@ def quick_correctness_section() -> dict[str, Any]:
         xn = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
         g, u = (xn @ q.dequantize().cpu().double().T).chunk(2, dim=-1)
         kernels[f"rows={rows} f32 rel_frob"] = rel(got.cpu(), torch.nn.functional.silu(g) * u)
+        if rows <= cuda_ops.INT4_MATVEC_MAX_ROWS:  # the blocked-layout GEMV on the same data
+            got = cuda_ops.fused_linear(
+                x.cuda(), BlockedInt4Weight.from_int4(q), norm_weight=nw.cuda(), eps=1e-6, act=cuda_ops.ACT_SWIGLU
+            )
+            kernels[f"rows={rows} blocked f32 rel_frob"] = rel(got.cpu(), torch.nn.functional.silu(g) * u)
     return {
         "int4_kernels_vs_float64": kernels,
         "tiny_default_dtype": compare_model("tiny", ids, 8, prompts),
@@ -573,7 +578,63 @@ def cli_section() -> dict[str, Any]:
             "profile_stdout": prof.stdout[-4000:], "profile_stderr": prof.stderr[-1500:]}  # fmt: skip
 
 
+BLOCKED_CANDIDATES = [(4, 16, 4), (4, 8, 2), (2, 16, 2), (8, 16, 4), (2, 8, 1), (8, 8, 4)]
+
+
+def blocked_section() -> dict[str, Any]:
+    """The blocked-layout INT4 GEMV: tiles per seed-407m shape (1 and 4 rows), then seed-407m decode with the
+    plain and the blocked layout, and the Ouro-1.4B shape."""
+    from tinyloop.kernels.cuda_backend import pdl_supported
+
+    cuda_ops.USE_PDL = pdl_supported()
+    res: dict[str, Any] = {"gemv": {}}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k, act) in SEED_SHAPES.items():
+        rows_w = 2 * n if act == 1 else n
+        copies = max(2, min(24, int(600e6 // (rows_w * k // 2))))
+        codes = (torch.randint(0, 256, (rows_w, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+                 for _ in range(copies))  # fmt: skip
+        ws = [BlockedInt4Weight(c, (torch.rand(rows_w, k // 64, device="cuda", generator=gen) * 0.01).half(),
+                                (torch.rand(rows_w, k // 64, device="cuda", generator=gen) * -0.05).half(), 64)
+              for c in codes]  # fmt: skip
+        for rows in (1, 4):
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            table = {}
+            for cfg in BLOCKED_CANDIDATES:
+                cuda_ops.BLOCKED_CONFIGS[(n, k, rows)] = cfg
+                it = iter(range(10**9))
+
+                def call(x: Any = x, ws: Any = ws, it: Any = it, copies: int = copies, act: int = act) -> None:
+                    cuda_ops.fused_linear(x, ws[next(it) % copies], act=act)
+
+                try:
+                    t = graph_time(call, copies * 2)
+                    table[str(cfg)] = {"us": t * 1e6, "GBps": ws[0].nbytes / t / 1e9}
+                except Exception as exc:
+                    table[str(cfg)] = {"error": str(exc)[:200]}
+            ok = {c: v for c, v in table.items() if "us" in v}
+            win = min(ok, key=lambda c: ok[c]["us"])
+            cuda_ops.BLOCKED_CONFIGS[(n, k, rows)] = tuple(int(v) for v in win.strip("()").split(","))  # type: ignore[assignment]
+            res["gemv"][f"{name} rows={rows}"] = {"best": win, **ok[win], "all": table}
+            print(name, rows, win, ok[win], flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    wait_for_models()
+    res["chosen"] = {str(k_): v for k_, v in cuda_ops.BLOCKED_CONFIGS.items()}
+    cuda_ops.USE_BLOCKED_INT4 = False
+    res["seed407m_plain_layout"] = generation_numbers(SEED_PATH, 8)
+    print("plain", res["seed407m_plain_layout"], flush=True)
+    cuda_ops.USE_BLOCKED_INT4 = True
+    res["seed407m_blocked"] = generation_numbers(SEED_PATH, 8)
+    print("blocked", res["seed407m_blocked"], flush=True)
+    res["decode_tokens_per_s_by_loops"] = loops_curve(SEED_PATH, (1, 2, 4, 8, 16))
+    res["ouro_blocked"] = generation_numbers(OURO_PATH, 4)
+    res["seed407m_speculative"] = speculative_numbers(SEED_PATH, [(2, 8)])
+    return res
+
+
 SECTIONS = {
+    "blocked": blocked_section,
     "env": env_section,
     "correctness": correctness_section,
     "quick_correctness": quick_correctness_section,

@@ -54,12 +54,14 @@ class Int4Weight:
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scale.nbytes + self.minimum.nbytes
 
+    def codes(self, packed: torch.Tensor) -> torch.Tensor:
+        """The 4-bit codes of `packed` (rows of self.packed) as uint8 [..., in], in column order."""
+        return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
     def _expand(
         self, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, dtype: torch.dtype
     ) -> torch.Tensor:
-        low = (packed & 0x0F).to(torch.float32)
-        high = (packed >> 4).to(torch.float32)
-        q = torch.stack((low, high), dim=-1).flatten(-2)  # [..., in]
+        q = self.codes(packed).to(torch.float32)  # [..., in]
         grouped = q.unflatten(-1, (-1, self.group_size))  # [..., in/G, G]
         w = grouped * scale.to(torch.float32)[..., None] + minimum.to(torch.float32)[..., None]
         return w.flatten(-2).to(dtype)
@@ -72,6 +74,43 @@ class Int4Weight:
 
     def to(self, device: torch.device | str) -> Int4Weight:
         return Int4Weight(self.packed.to(device), self.scale.to(device), self.minimum.to(device), self.group_size)
+
+
+@dataclass(frozen=True)
+class BlockedInt4Weight(Int4Weight):
+    """An Int4Weight whose bytes are in the CUDA GEMV's order (kernels/triton_matmul.py): as int32 words,
+    word i (0..7) of each 64-column block b holds column 64b + 8j + i in nibble j (low nibble first), so a
+    thread's consecutive words need consecutive x values for each nibble. Scale and minimum are unchanged;
+    dequantize() and rows() return the natural column order."""
+
+    BLOCK = 64
+
+    @staticmethod
+    def supports(w: Int4Weight) -> bool:
+        return type(w) is Int4Weight and w.group_size % BlockedInt4Weight.BLOCK == 0
+
+    @classmethod
+    def from_int4(cls, w: Int4Weight) -> BlockedInt4Weight:
+        if not cls.supports(w):
+            raise ValueError(f"the blocked INT4 layout needs a plain Int4Weight with a group size divisible by "
+                             f"{cls.BLOCK}, got {type(w).__name__} with group {w.group_size}")  # fmt: skip
+        n, half = w.packed.shape
+        q = w.codes(w.packed).view(n, half // 32, 8, 8).to(torch.int32)  # [n, block, j, i]
+        words = torch.zeros((n, half // 32, 8), dtype=torch.int32, device=w.packed.device)
+        for j in range(8):
+            words |= q[:, :, j, :] << (4 * j)  # nibble 7 lands in the sign bit: int32 wraps as intended
+        packed = words.view(n, half // 4).view(torch.uint8).view(n, half)
+        return cls(packed.contiguous(), w.scale, w.minimum, w.group_size)
+
+    def codes(self, packed: torch.Tensor) -> torch.Tensor:
+        lead, half = packed.shape[:-1], packed.shape[-1]
+        words = packed.contiguous().view(torch.int32).view(*lead, half // 32, 8)  # [..., block, i]
+        nibbles = torch.stack([(words >> (4 * j)) & 0x0F for j in range(8)], dim=-2)  # [..., block, j, i]
+        return nibbles.to(torch.uint8).reshape(*lead, 2 * half)
+
+    def to(self, device: torch.device | str) -> BlockedInt4Weight:
+        moved = (self.packed.to(device), self.scale.to(device), self.minimum.to(device))
+        return BlockedInt4Weight(*moved, self.group_size)
 
 
 QuantizedWeight = Int8Weight | Int4Weight

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from helpers import random_flat_weights
 from tinyloop.config import ArchConfig
 from tinyloop.kernels.attention_backend import sdpa
 from tinyloop.presets import preset
-from tinyloop.quant import Int4Weight, quantize_int4
+from tinyloop.quant import BlockedInt4Weight, Int4Weight, quantize_int4
 from tinyloop.runtime.loader import FLOAT32_MAX_WIDTH, default_dtype, prepare_weights
 from tinyloop.train.tiny_config import TINY_CONFIG
 
@@ -39,6 +40,17 @@ def test_keep_int4_leaves_matrices_packed_and_dense_body_dequantizes_the_body() 
     assert isinstance(body_dense["coda.0.mlp.down.weight"], Int4Weight)
     default = prepare_weights(packed, cpu, torch.float32)
     assert all(not isinstance(w, Int4Weight) for w in default.values())
+
+
+def test_keep_int4_repacks_64_column_groups_into_the_blocked_layout() -> None:
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(0)
+    packed = {"a.weight": quantize_int4(torch.randn(8, 128, generator=gen), 64),
+              "b.weight": quantize_int4(torch.randn(8, 128, generator=gen), 32)}  # fmt: skip
+    kept = prepare_weights(packed, torch.device("cpu"), torch.float32, keep_int4=True)
+    assert isinstance(kept["a.weight"], BlockedInt4Weight)  # repacked, same values
+    assert torch.equal(kept["a.weight"].dequantize(), packed["a.weight"].dequantize())
+    assert type(kept["b.weight"]) is Int4Weight  # 32-column groups: the plain-layout kernels
 
 
 def test_attention_backend_on_cpu_is_plain_sdpa() -> None:

@@ -9,7 +9,7 @@ from helpers import max_rel_error, random_flat_weights
 from naive_reference import naive_forward
 from tinyloop.config import ArchConfig
 from tinyloop.model.weights import ModelWeights
-from tinyloop.quant import quantize_int4
+from tinyloop.quant import BlockedInt4Weight, quantize_int4
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.fused_decode import FusedDecoder
 
@@ -32,12 +32,18 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def build(variant: str) -> tuple[ArchConfig, dict[str, torch.Tensor], Engine, Engine]:
-    """The same INT4 model twice: packed for the fused kernels, dequantized for the generic path."""
-    cfg = ArchConfig(**{**BASE, **VARIANTS[variant]})  # type: ignore[arg-type]
+def build(variant: str, blocked: bool = False) -> tuple[ArchConfig, dict[str, torch.Tensor], Engine, Engine]:
+    """The same INT4 model twice: packed for the fused kernels (in the CUDA engine's blocked layout with
+    64-column groups when `blocked`), dequantized for the generic path."""
+    extra = dict(ffn_dim=128) if blocked else {}
+    cfg = ArchConfig(**{**BASE, **VARIANTS[variant], **extra})  # type: ignore[arg-type]
     flat = random_flat_weights(cfg, seed=1)
     matrix = ("prelude.", "body.", "coda.", "adapter.", "head.")
-    packed = {n: quantize_int4(t, 32) if t.dim() == 2 and n.startswith(matrix) else t for n, t in flat.items()}
+    packed = {n: quantize_int4(t, 64 if blocked else 32) if t.dim() == 2 and n.startswith(matrix) else t
+              for n, t in flat.items()}  # fmt: skip
+    if blocked:
+        packed = {n: BlockedInt4Weight.from_int4(w) if BlockedInt4Weight.supports(w) else w  # type: ignore[arg-type]
+                  for n, w in packed.items()}  # fmt: skip
     dense = {n: w.dequantize() if hasattr(w, "dequantize") else w for n, w in packed.items()}
     cpu = torch.device("cpu")
     fused = Engine(cfg, ModelWeights.from_flat(cfg, packed), cpu, torch.float32)
@@ -47,9 +53,10 @@ def build(variant: str) -> tuple[ArchConfig, dict[str, torch.Tensor], Engine, En
     return cfg, dense, fused, generic  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", [*sorted(VARIANTS), "blocked:pre-concat-zeros-gqa", "blocked:ouro-like"])
 def test_fused_decode_matches_naive(variant: str) -> None:
-    cfg, dense, fused, _ = build(variant)
+    blocked = variant.startswith("blocked:")
+    cfg, dense, fused, _ = build(variant.removeprefix("blocked:"), blocked)
     loops = 2
     tokens = torch.randint(0, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(2)).tolist()
     ref_logits, _, ref_gates = naive_forward(cfg, dense, tokens, loops, fused.noise)

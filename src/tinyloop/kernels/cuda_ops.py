@@ -14,13 +14,14 @@ from tinyloop.kernels.dispatch import Weight
 from tinyloop.kernels.triton_attention import _cached_attention_kernel, _rope_attention_kernel, _rope_store_kernel
 from tinyloop.kernels.triton_matmul import (
     _dequant_kernel,
+    _gemv_blocked_int4_kernel,
     _matmul_kernel,
     _matvec1_int4_kernel,
     _matvec_kernel,
     _matvec_rows_int4_kernel,
 )
 from tinyloop.kernels.triton_norm import _rms_norm_kernel
-from tinyloop.quant import Int4Weight
+from tinyloop.quant import BlockedInt4Weight, Int4Weight
 
 ACT_NONE, ACT_SWIGLU, ACT_GELU = 0, 1, 2
 
@@ -41,6 +42,11 @@ ATTENTION_WARPS = 8
 
 # (N, K, rows) -> (BLOCK_N, BLOCK_K, num_warps); filled by benchmark sweeps to override the heuristic.
 MATVEC_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+# The same for the blocked-layout GEMV: (N, K, rows) -> (BLOCK_N, 64-column blocks per tile, num_warps).
+BLOCKED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+# Whether a CUDA engine repacks its INT4 matrices into the blocked layout (runtime/loader.py); benchmarks
+# clear it to measure the plain-layout kernels.
+USE_BLOCKED_INT4 = True
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every tensor-core launch, or None: heuristic.
 MATMUL_CONFIG: tuple[int, int, int, int, int] | None = None
 
@@ -70,6 +76,15 @@ def _matvec_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, int
     return 4, max(group, 512), 4
 
 
+def _blocked_config(n: int, k: int, rows: int) -> tuple[int, int, int]:
+    if (n, k, rows) in BLOCKED_CONFIGS:
+        return BLOCKED_CONFIGS[(n, k, rows)]
+    # Winners of bench/gpu_suite.py's `blocked` sweep on an H200 (seed-407m shapes; docs/BENCHMARKS.md).
+    if rows == 1:
+        return (8, 8, 4) if n >= 16384 else (4, 16, 4)  # (8, 8, 4): the vocabulary head
+    return (2, 8, 1) if n >= 4096 else (8, 16, 4)
+
+
 def _matmul_config(m: int, n: int, group: int) -> tuple[int, int, int, int, int]:
     block_m = 16 if m <= 16 else (32 if m <= 64 else 64)
     return block_m, 64 if n >= 4096 else 32, max(group, 64), 4, 3
@@ -77,7 +92,7 @@ def _matmul_config(m: int, n: int, group: int) -> tuple[int, int, int, int, int]
 
 def _weight_parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
     if isinstance(w, Int4Weight):
-        words = w.packed.view(torch.int32)
+        words = w.packed.view(torch.int32)  # plain or blocked: the kernels are told which
         return words, w.scale, w.minimum, w.group_size, True
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"the CUDA kernels take INT4 or 16-bit weights, got {type(w).__name__}")
@@ -118,6 +133,14 @@ def fused_linear(
         RESIDUAL=residual is not None,
     )  # fmt: skip
     args = (x, words, scale, minimum, out, res, nw, b, M, N, K, eps, x.stride(0), out.stride(0), res.stride(0))
+    if isinstance(w, BlockedInt4Weight) and M <= INT4_MATVEC_MAX_ROWS:
+        block_n, block_b, warps = _blocked_config(N, K, M)
+        del flags["INT4"]
+        _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
+            *args, K // 8, K // group, **flags, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_B=block_b,
+            num_warps=warps, **_pdl(),
+        )  # fmt: skip
+        return out
     if is_int4 and M <= INT4_MATVEC_MAX_ROWS:
         block_n, block_k, warps = _matvec_config(N, K, M, group)
         strides = (K // 8, K // group)
@@ -142,9 +165,11 @@ def fused_linear(
         return out
     block_m, block_n, block_k, warps, stages = MATMUL_CONFIG or _matmul_config(M, N, group)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    if isinstance(w, BlockedInt4Weight):
+        block_k = max(block_k, 64)
     _matmul_kernel[grid](
         *args, **flags, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages,
+        BLOCKED=isinstance(w, BlockedInt4Weight), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -156,8 +181,9 @@ def dequantize_int4(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
     block_n, block_k = 16, max(w.group_size, 128)
     grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
     _dequant_kernel[grid](
-        w.packed.view(torch.int32), w.scale, w.minimum, out, N, K, GROUP=w.group_size, BLOCK_N=block_n, BLOCK_K=block_k
-    )
+        w.packed.view(torch.int32), w.scale, w.minimum, out, N, K, GROUP=w.group_size, BLOCK_N=block_n,
+        BLOCK_K=block_k, BLOCKED=isinstance(w, BlockedInt4Weight),
+    )  # fmt: skip
     return out
 
 

@@ -6,7 +6,9 @@ Two kernels share one weight-tile loader:
 - `_matmul_kernel` for more rows (prefill, batched decode): tensor-core `tl.dot` on dequantized tiles.
 
 INT4 layout: the file's packed bytes viewed as int32 words [N, K/8]; nibble j of word w is column
-8w + j (low nibble first), value = q * scale[n, g] + minimum[n, g] with g = column // group.
+8w + j (low nibble first), value = q * scale[n, g] + minimum[n, g] with g = column // group. On CUDA the
+engine repacks weights into the blocked layout (quant.BlockedInt4Weight: word i of a 64-column block
+holds columns 8j + i), read by `_gemv_blocked_int4_kernel` for decode and by `_load_w(BLOCKED=True)`.
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ def _load_w(
     INT4: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCKED: tl.constexpr = False,
 ):
-    """Weight rows `rows`, columns k0..k0+BLOCK_K, as float32 [BLOCK_N, BLOCK_K] (zeros past K)."""
+    """Weight rows `rows`, columns k0..k0+BLOCK_K, as float32 [BLOCK_N, BLOCK_K] (zeros past K). BLOCKED:
+    the words are in the blocked layout (BLOCK_K and k0 multiples of 64)."""
     if INT4:
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(
@@ -75,6 +79,8 @@ def _load_w(
         shifts = tl.arange(0, 8) * 4
         q = (words[:, :, None] >> shifts[None, None, :]) & 0xF
         qf = (q | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC
+        if BLOCKED:  # [n, block, i, j] -> column order [n, block, j, i]
+            qf = tl.permute(tl.reshape(qf, (BLOCK_N, BLOCK_K // 64, 8, 8)), (0, 1, 3, 2))
         qf = tl.reshape(qf, (BLOCK_N, BLOCK_K // GROUP, GROUP))
         offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         g_mask = row_mask[:, None] & (offs_g[None, :] < K // GROUP)
@@ -396,6 +402,7 @@ def _matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    BLOCKED: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -412,13 +419,14 @@ def _matmul_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < K
         x = _load_x(x_ptr, stride_xm, offs_m, m_mask, offs_k, k_mask, nw_ptr, rstd, NORM)
-        w = _load_w(w_ptr, s_ptr, m_ptr, rows, row_mask, k0, K, GROUP, INT4, BLOCK_N, BLOCK_K).to(x.dtype)
+        w = _load_w(w_ptr, s_ptr, m_ptr, rows, row_mask, k0, K, GROUP, INT4, BLOCK_N, BLOCK_K, BLOCKED).to(x.dtype)
         if IEEE:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
         if ACT == 1:
-            wu = _load_w(w_ptr, s_ptr, m_ptr, rows + N, row_mask, k0, K, GROUP, INT4, BLOCK_N, BLOCK_K).to(x.dtype)
+            wu = _load_w(w_ptr, s_ptr, m_ptr, rows + N, row_mask, k0, K, GROUP, INT4, BLOCK_N, BLOCK_K, BLOCKED)
+            wu = wu.to(x.dtype)
             if IEEE:
                 acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision="ieee")
             else:
@@ -430,12 +438,143 @@ def _matmul_kernel(
 
 @triton.jit
 def _dequant_kernel(
-    w_ptr, s_ptr, m_ptr, out_ptr, N, K, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+    w_ptr,
+    s_ptr,
+    m_ptr,
+    out_ptr,
+    N,
+    K,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCKED: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     row_mask = rows < N
-    w = _load_w(w_ptr, s_ptr, m_ptr, rows, row_mask, k0, K, GROUP, True, BLOCK_N, BLOCK_K)
+    w = _load_w(w_ptr, s_ptr, m_ptr, rows, row_mask, k0, K, GROUP, True, BLOCK_N, BLOCK_K, BLOCKED)
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask = row_mask[:, None] & (offs_k[None, :] < K)
     tl.store(out_ptr + rows[:, None] * K + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _blocked_f(words, j: tl.constexpr):
+    """Nibble j of each word as the float32 1 + q / 16: shifted to the top of the mantissa under the
+    exponent of 1.0, so one shift and one logic op convert it (no int-to-float, no subtraction)."""
+    if j < 5:
+        shifted = words << (19 - 4 * j)
+    else:
+        shifted = words >> (4 * j - 19)
+    return ((shifted & 0x00780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_blocked_tile(w_ptr, s_ptr, m_ptr, rows, row_mask, blk, n_blocks, stride_w, stride_g, GROUP: tl.constexpr):
+    """Words [rows, blocks, 8] of the 64-column blocks `blk`, and each block's scale and minimum [rows, blocks]."""
+    offs_i = tl.arange(0, 8)
+    blk_mask = row_mask[:, None] & (blk < n_blocks)[None, :]
+    words = tl.load(
+        w_ptr + rows[:, None, None] * stride_w + blk[None, :, None] * 8 + offs_i[None, None, :],
+        mask=blk_mask[:, :, None],
+        other=0,
+    )
+    g_idx = rows[:, None] * stride_g + (blk * 64 // GROUP)[None, :]
+    s = tl.load(s_ptr + g_idx, mask=blk_mask, other=0.0).to(tl.float32)
+    mn = tl.load(m_ptr + g_idx, mask=blk_mask, other=0.0).to(tl.float32)
+    return words, s, mn
+
+
+@triton.jit
+def _gemv_blocked_int4_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    m_ptr,
+    out_ptr,
+    res_ptr,
+    nw_ptr,
+    b_ptr,
+    M,
+    N,
+    K,
+    eps,
+    stride_xm,
+    stride_om,
+    stride_rm,
+    stride_w,
+    stride_g,
+    GROUP: tl.constexpr,
+    NORM: tl.constexpr,
+    BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """1..ROWS rows times an INT4 matrix in the blocked layout (quant.BlockedInt4Weight: word i of a
+    64-column block holds columns 8j + i), so a thread's consecutive words need consecutive x values for
+    each nibble j and both load as vectors in the same register layout. Per 64-column block:
+    sum_k x_k q_k = 16 (sum_k x_k (1 + q_k / 16) - sum_k x_k), then scale and minimum once per block."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    offs_m = tl.arange(0, ROWS)
+    m_mask = offs_m < M
+    offs_i = tl.arange(0, 8)
+    n_blocks = K // 64
+    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_B), tl.float32)
+    acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_B), tl.float32)
+    sumsq = tl.zeros((ROWS, BLOCK_N, BLOCK_B, 8), tl.float32)
+    # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait.
+    blk = tl.arange(0, BLOCK_B)
+    words, s, mn = _load_blocked_tile(w_ptr, s_ptr, m_ptr, rows, row_mask, blk, n_blocks, stride_w, stride_g, GROUP)
+    words_up, s_up, mn_up = words, s, mn
+    if ACT == 1:
+        words_up, s_up, mn_up = _load_blocked_tile(
+            w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk, n_blocks, stride_w, stride_g, GROUP
+        )
+    _wait_for_previous_kernel(PDL)
+    # x is read through a pointer of the weight tile's full shape so that it lands in the same layout.
+    x_rows = offs_m[:, None, None, None] * stride_xm + (rows * 0)[None, :, None, None]
+    for kb in range(0, n_blocks, BLOCK_B):
+        blk = kb + tl.arange(0, BLOCK_B)
+        x_mask = m_mask[:, None, None, None] & (row_mask[:, None, None] & (blk < n_blocks)[None, :, None])[None]
+        cur, cur_s, cur_mn, cur_up, cur_s_up, cur_mn_up = words, s, mn, words_up, s_up, mn_up
+        words, s, mn = _load_blocked_tile(
+            w_ptr, s_ptr, m_ptr, rows, row_mask, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP
+        )
+        if ACT == 1:
+            words_up, s_up, mn_up = _load_blocked_tile(
+                w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP
+            )
+        part = tl.zeros((ROWS, BLOCK_N, BLOCK_B, 8), tl.float32)
+        part_up = tl.zeros((ROWS, BLOCK_N, BLOCK_B, 8), tl.float32)
+        xsum = tl.zeros((ROWS, BLOCK_N, BLOCK_B, 8), tl.float32)
+        for j in tl.static_range(8):
+            cols = (blk * 64 + 8 * j)[None, None, :, None] + offs_i[None, None, None, :]
+            xj = tl.load(x_ptr + x_rows + cols, mask=x_mask, other=0.0).to(tl.float32)
+            if NORM:
+                sumsq += xj * xj
+                g_cols = (blk * 64 + 8 * j)[None, :, None] + offs_i[None, None, :] + (rows * 0)[:, None, None]
+                g = tl.load(nw_ptr + g_cols, mask=(blk < n_blocks)[None, :, None], other=0.0)
+                xj = xj * g.to(tl.float32)[None]
+            xsum += xj
+            part += _blocked_f(cur, j)[None] * xj
+            if ACT == 1:
+                part_up += _blocked_f(cur_up, j)[None] * xj
+        xs = tl.sum(xsum, axis=3)
+        acc += cur_s[None] * (16.0 * (tl.sum(part, axis=3) - xs)) + cur_mn[None] * xs
+        if ACT == 1:
+            acc_up += cur_s_up[None] * (16.0 * (tl.sum(part_up, axis=3) - xs)) + cur_mn_up[None] * xs
+    y = tl.sum(acc, axis=2)
+    y_up = tl.sum(acc_up, axis=2)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(sumsq, axis=3), axis=2) / K + eps)
+        y = y * rstd
+        y_up = y_up * rstd
+    _epilogue(
+        y, y_up, offs_m, m_mask, rows, row_mask, out_ptr, stride_om, res_ptr, stride_rm, b_ptr, BIAS, ACT, RESIDUAL
+    )

@@ -15,7 +15,7 @@ from tinyloop.kernels import cuda_backend
 from tinyloop.kernels.dispatch import Weight
 from tinyloop.log import info
 from tinyloop.model.weights import ModelWeights
-from tinyloop.quant import Int4Weight, Int8Weight
+from tinyloop.quant import BlockedInt4Weight, Int4Weight, Int8Weight
 from tinyloop.runtime.engine import Engine, cpu_threads_for
 from tinyloop.stochastic.bind import stochastic_weights
 from tinyloop.stochastic.weight import CrossIterRound
@@ -72,7 +72,7 @@ def _prepare(
     out: dict[str, Weight] = {}
     for name, w in flat.items():
         if isinstance(w, Int4Weight) and keep_int4 and not (dense_body and name.startswith("body.")):
-            out[name] = w.to(device)
+            out[name] = _kernel_layout(w.to(device))
             continue
         if device.type == "cpu" and dtype == torch.float32 and type(w) is Int4Weight and name != "embed.weight":
             out[name] = dequantize_int4_cpu(w)
@@ -89,6 +89,13 @@ def _prepare(
             dense = dense.t().contiguous().t()
         out[name] = dense
     return out
+
+
+def _kernel_layout(w: Int4Weight) -> Int4Weight:
+    """The CUDA GEMV's blocked layout where it applies (64-column groups; see quant.BlockedInt4Weight)."""
+    from tinyloop.kernels import cuda_ops  # keep_int4 implies Triton is installed
+
+    return BlockedInt4Weight.from_int4(w) if cuda_ops.USE_BLOCKED_INT4 and BlockedInt4Weight.supports(w) else w
 
 
 def dequantize_int4_cpu(w: Int4Weight) -> torch.Tensor:
