@@ -193,12 +193,24 @@ SEED_SHAPES = {  # name: (N, K, act); swiglu reads 2N rows
     "qkv": (6144, 2048, 0), "out": (2048, 2048, 0), "gate_up": (5632, 2048, 1), "down": (2048, 5632, 0),
     "head": (32000, 2048, 0),
 }  # fmt: skip
-MATVEC_CANDIDATES = {  # rows -> (BLOCK_N, BLOCK_K, num_warps)
-    1: [(4, 1024, 4), (4, 2048, 8), (2, 1024, 4), (2, 2048, 4), (2, 1024, 2), (4, 512, 4), (8, 512, 4),
-        (4, 2048, 4), (2, 512, 2), (1, 1024, 2)],
-    4: [(1, 512, 4), (2, 512, 4), (4, 512, 4), (2, 1024, 4)],
-    8: [(1, 512, 4), (2, 512, 4), (1, 1024, 4), (2, 1024, 8)],
-}  # fmt: skip
+GEMV_CANDIDATES = [(4, 16, 4), (4, 8, 2), (2, 16, 2), (8, 16, 4), (2, 8, 1), (8, 8, 4)]  # (BLOCK_N, BLOCK_B, warps)
+
+
+def random_int4_copies(n_rows: int, k: int, gen: torch.Generator, group: int = 64) -> list[BlockedInt4Weight]:
+    """Enough distinct random INT4 matrices (blocked layout) that cycling through them streams from DRAM,
+    not the 60 MiB L2."""
+    copies = max(2, min(24, int(600e6 // (n_rows * k // 2))))
+    return [BlockedInt4Weight(torch.randint(0, 256, (n_rows, k // 2), dtype=torch.uint8, device="cuda", generator=gen),
+                              (torch.rand(n_rows, k // group, device="cuda", generator=gen) * 0.01).half(),
+                              (torch.rand(n_rows, k // group, device="cuda", generator=gen) * -0.05).half(), group)
+            for _ in range(copies)]  # fmt: skip
+
+
+def time_cycling(x: torch.Tensor, ws: list[BlockedInt4Weight], act: int) -> dict[str, float]:
+    """fused_linear over the copies back to back in one CUDA graph: µs per call and GB/s of weight bytes."""
+    it = iter(range(10**9))
+    t = graph_time(lambda: cuda_ops.fused_linear(x, ws[next(it) % len(ws)], act=act), len(ws) * 2)
+    return {"us": t * 1e6, "GBps": ws[0].nbytes / t / 1e9}
 
 
 FULL = True  # quick_correctness also runs seed-407m on the CPU (about a minute)
@@ -213,20 +225,16 @@ def quick_correctness_section() -> dict[str, Any]:
     sid = np.random.default_rng(0).integers(0, 32000, 120).astype(np.int32)
     kernels = {}
     gen = torch.Generator().manual_seed(0)
-    for rows in (1, 2, 5, 8, 12):
+    for rows, group in ((1, 64), (2, 64), (4, 64), (1, 32), (3, 128), (5, 64), (8, 64), (12, 64)):
         raw = torch.randn(2 * 1536, 2048, generator=gen) / 45
-        q = quantize_int4(raw, 64).to("cuda")
+        q = quantize_int4(raw, group).to("cuda")
         x = torch.randn(rows, 2048, generator=gen)
         nw = 1 + 0.1 * torch.randn(2048, generator=gen)
-        got = cuda_ops.fused_linear(x.cuda(), q, norm_weight=nw.cuda(), eps=1e-6, act=cuda_ops.ACT_SWIGLU)
         xn = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
         g, u = (xn @ q.dequantize().cpu().double().T).chunk(2, dim=-1)
-        kernels[f"rows={rows} f32 rel_frob"] = rel(got.cpu(), torch.nn.functional.silu(g) * u)
-        if rows <= cuda_ops.INT4_MATVEC_MAX_ROWS:  # the blocked-layout GEMV on the same data
-            got = cuda_ops.fused_linear(
-                x.cuda(), BlockedInt4Weight.from_int4(q), norm_weight=nw.cuda(), eps=1e-6, act=cuda_ops.ACT_SWIGLU
-            )
-            kernels[f"rows={rows} blocked f32 rel_frob"] = rel(got.cpu(), torch.nn.functional.silu(g) * u)
+        for layout, w in (("plain", q), ("blocked", BlockedInt4Weight.from_int4(q))):
+            got = cuda_ops.fused_linear(x.cuda(), w, norm_weight=nw.cuda(), eps=1e-6, act=cuda_ops.ACT_SWIGLU)
+            kernels[f"rows={rows} g{group} {layout} f32 rel_frob"] = rel(got.cpu(), torch.nn.functional.silu(g) * u)
     return {
         "int4_kernels_vs_float64": kernels,
         "tiny_default_dtype": compare_model("tiny", ids, 8, prompts),
@@ -235,43 +243,30 @@ def quick_correctness_section() -> dict[str, Any]:
 
 
 def sweep_section() -> dict[str, Any]:
+    """Blocked INT4 GEMV tiles per seed-407m shape (1 and 4 rows; the winners apply to later sections), the
+    same weight reused from L2 (is the kernel bound by DRAM?), and optionally tensor-core tiles vs cuBLAS."""
     from tinyloop.kernels.cuda_backend import pdl_supported
 
     cuda_ops.USE_PDL = pdl_supported()  # as a CUDA engine runs them
     res: dict[str, Any] = {"matvec": {}, "matmul": {}, "pdl": cuda_ops.USE_PDL}
     gen = torch.Generator(device="cuda").manual_seed(0)
-    best: dict[tuple[int, int, int], tuple[int, int, int]] = {}
     for name, (n, k, act) in SEED_SHAPES.items():
-        rows_w = 2 * n if act == 1 else n
-        copies = max(2, min(24, int(600e6 // (rows_w * k // 2))))  # several times the L2: stream from DRAM
-        ws = [Int4Weight(torch.randint(0, 256, (rows_w, k // 2), dtype=torch.uint8, device="cuda", generator=gen),
-                         (torch.rand(rows_w, k // 64, device="cuda", generator=gen) * 0.01).half(),
-                         (torch.rand(rows_w, k // 64, device="cuda", generator=gen) * -0.05).half(), 64)
-              for _ in range(copies)]  # fmt: skip
-        nbytes = ws[0].nbytes
+        ws = random_int4_copies(2 * n if act == 1 else n, k, gen)
         for rows in (1, 4):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
             table = {}
-            for cfg in MATVEC_CANDIDATES[rows]:
-                cuda_ops.MATVEC_CONFIGS[(n, k, rows)] = cfg
-                it = iter(range(10**9))
-
-                def call(x: Any = x, ws: Any = ws, it: Any = it, copies: int = copies, act: int = act) -> None:
-                    cuda_ops.fused_linear(x, ws[next(it) % copies], act=act)
-
+            for cfg in GEMV_CANDIDATES:
+                cuda_ops.BLOCKED_CONFIGS[(n, k, rows)] = cfg
                 try:
-                    t = graph_time(call, copies * 2)
-                    table[str(cfg)] = {"us": t * 1e6, "GBps": nbytes / t / 1e9}
+                    table[str(cfg)] = time_cycling(x, ws, act)
                 except Exception as exc:  # a tile the compiler refuses
                     table[str(cfg)] = {"error": str(exc)[:200]}
             ok = {c: v for c, v in table.items() if "us" in v}
             win = min(ok, key=lambda c: ok[c]["us"])
-            best[(n, k, rows)] = tuple(int(v) for v in win.strip("()").split(","))  # type: ignore[assignment]
-            cuda_ops.MATVEC_CONFIGS[(n, k, rows)] = best[(n, k, rows)]
+            cuda_ops.BLOCKED_CONFIGS[(n, k, rows)] = tuple(int(v) for v in win.strip("()").split(","))  # type: ignore[assignment]
             res["matvec"][f"{name} rows={rows}"] = {"best": win, **ok[win], "all": table}
-            if rows == 1:  # the same weight every call: served from L2 (is the kernel bound by DRAM?)
-                t = graph_time(lambda x=x, w=ws[0], act=act: cuda_ops.fused_linear(x, w, act=act), copies * 2)
-                res["matvec"][f"{name} rows=1"]["l2_resident"] = {"us": t * 1e6, "GBps": nbytes / t / 1e9}
+            if rows == 1:  # the same weight every call: served from L2
+                res["matvec"][f"{name} rows=1"]["l2_resident"] = time_cycling(x, ws[:1] * len(ws), act)
             print(name, rows, win, ok[win], flush=True)
         # Tensor-core tiles vs dequantize + cuBLAS for prefill-sized row counts.
         for rows in (16, 128, 1024) if name in ("qkv", "gate_up") and MATMUL_SWEEP else ():
@@ -300,35 +295,31 @@ def sweep_section() -> dict[str, Any]:
             print(name, rows, {k_: round(v.get("us", -1), 1) for k_, v in entry.items()}, flush=True)
         del ws
         torch.cuda.empty_cache()
-    res["chosen_matvec"] = {str(k): v for k, v in best.items()}
+    res["chosen_matvec"] = {str(k): v for k, v in cuda_ops.BLOCKED_CONFIGS.items()}
+    # 32-column groups (32-column blocks), qkv shape, default tiles.
+    n, k, _ = SEED_SHAPES["qkv"]
+    ws = random_int4_copies(n, k, gen, group=32)
+    res["matvec_group32"] = {
+        f"qkv rows={rows}": time_cycling(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16), ws, 0)
+        for rows in (1, 4)
+    }
     return res
 
 
 def pdl_section() -> dict[str, Any]:
-    """The INT4 matvec back to back in a graph (weights streamed from DRAM), without and with programmatic
+    """The INT4 GEMV back to back in a graph (weights streamed from DRAM), without and with programmatic
     dependent launch, at the tuned tiles."""
     res: dict[str, Any] = {}
     gen = torch.Generator(device="cuda").manual_seed(0)
     old = cuda_ops.USE_PDL
     for name, (n, k, act) in SEED_SHAPES.items():
-        rows_w = 2 * n if act == 1 else n
-        copies = max(2, min(24, int(600e6 // (rows_w * k // 2))))
-        ws = [Int4Weight(torch.randint(0, 256, (rows_w, k // 2), dtype=torch.uint8, device="cuda", generator=gen),
-                         (torch.rand(rows_w, k // 64, device="cuda", generator=gen) * 0.01).half(),
-                         (torch.rand(rows_w, k // 64, device="cuda", generator=gen) * -0.05).half(), 64)
-              for _ in range(copies)]  # fmt: skip
+        ws = random_int4_copies(2 * n if act == 1 else n, k, gen)
         for rows in (1, 4):
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            it = iter(range(10**9))
-
-            def call(x: Any = x, ws: Any = ws, it: Any = it, copies: int = copies, act: int = act) -> None:
-                cuda_ops.fused_linear(x, ws[next(it) % copies], act=act)
-
             entry = {}
             for pdl in (False, True):
                 cuda_ops.USE_PDL = pdl
-                t = graph_time(call, copies * 2)
-                entry["pdl" if pdl else "plain"] = {"us": t * 1e6, "GBps": ws[0].nbytes / t / 1e9}
+                entry["pdl" if pdl else "plain"] = time_cycling(x, ws, act)
             res[f"{name} rows={rows}"] = entry
             print(name, rows, {k_: round(v["us"], 2) for k_, v in entry.items()}, flush=True)
         del ws
@@ -578,63 +569,7 @@ def cli_section() -> dict[str, Any]:
             "profile_stdout": prof.stdout[-4000:], "profile_stderr": prof.stderr[-1500:]}  # fmt: skip
 
 
-BLOCKED_CANDIDATES = [(4, 16, 4), (4, 8, 2), (2, 16, 2), (8, 16, 4), (2, 8, 1), (8, 8, 4)]
-
-
-def blocked_section() -> dict[str, Any]:
-    """The blocked-layout INT4 GEMV: tiles per seed-407m shape (1 and 4 rows), then seed-407m decode with the
-    plain and the blocked layout, and the Ouro-1.4B shape."""
-    from tinyloop.kernels.cuda_backend import pdl_supported
-
-    cuda_ops.USE_PDL = pdl_supported()
-    res: dict[str, Any] = {"gemv": {}}
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for name, (n, k, act) in SEED_SHAPES.items():
-        rows_w = 2 * n if act == 1 else n
-        copies = max(2, min(24, int(600e6 // (rows_w * k // 2))))
-        codes = (torch.randint(0, 256, (rows_w, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
-                 for _ in range(copies))  # fmt: skip
-        ws = [BlockedInt4Weight(c, (torch.rand(rows_w, k // 64, device="cuda", generator=gen) * 0.01).half(),
-                                (torch.rand(rows_w, k // 64, device="cuda", generator=gen) * -0.05).half(), 64)
-              for c in codes]  # fmt: skip
-        for rows in (1, 4):
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            table = {}
-            for cfg in BLOCKED_CANDIDATES:
-                cuda_ops.BLOCKED_CONFIGS[(n, k, rows)] = cfg
-                it = iter(range(10**9))
-
-                def call(x: Any = x, ws: Any = ws, it: Any = it, copies: int = copies, act: int = act) -> None:
-                    cuda_ops.fused_linear(x, ws[next(it) % copies], act=act)
-
-                try:
-                    t = graph_time(call, copies * 2)
-                    table[str(cfg)] = {"us": t * 1e6, "GBps": ws[0].nbytes / t / 1e9}
-                except Exception as exc:
-                    table[str(cfg)] = {"error": str(exc)[:200]}
-            ok = {c: v for c, v in table.items() if "us" in v}
-            win = min(ok, key=lambda c: ok[c]["us"])
-            cuda_ops.BLOCKED_CONFIGS[(n, k, rows)] = tuple(int(v) for v in win.strip("()").split(","))  # type: ignore[assignment]
-            res["gemv"][f"{name} rows={rows}"] = {"best": win, **ok[win], "all": table}
-            print(name, rows, win, ok[win], flush=True)
-        del ws
-        torch.cuda.empty_cache()
-    wait_for_models()
-    res["chosen"] = {str(k_): v for k_, v in cuda_ops.BLOCKED_CONFIGS.items()}
-    cuda_ops.USE_BLOCKED_INT4 = False
-    res["seed407m_plain_layout"] = generation_numbers(SEED_PATH, 8)
-    print("plain", res["seed407m_plain_layout"], flush=True)
-    cuda_ops.USE_BLOCKED_INT4 = True
-    res["seed407m_blocked"] = generation_numbers(SEED_PATH, 8)
-    print("blocked", res["seed407m_blocked"], flush=True)
-    res["decode_tokens_per_s_by_loops"] = loops_curve(SEED_PATH, (1, 2, 4, 8, 16))
-    res["ouro_blocked"] = generation_numbers(OURO_PATH, 4)
-    res["seed407m_speculative"] = speculative_numbers(SEED_PATH, [(2, 8)])
-    return res
-
-
 SECTIONS = {
-    "blocked": blocked_section,
     "env": env_section,
     "correctness": correctness_section,
     "quick_correctness": quick_correctness_section,
@@ -654,7 +589,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--only", nargs="*", default=list(SECTIONS))
-    ap.add_argument("--configs", help="JSON file of chosen matvec configs from an earlier sweep")
+    ap.add_argument("--configs", help="JSON file of chosen GEMV tiles (an earlier sweep's chosen_matvec)")
     ap.add_argument("--quick", action="store_true", help="quick_correctness without seed-407m on the CPU")
     args = ap.parse_args()
     OUT = Path(args.out)
@@ -663,7 +598,7 @@ def main() -> None:
     _PROCS.update(make_models())
     if args.configs:
         for key, cfg in json.loads(Path(args.configs).read_text()).items():
-            cuda_ops.MATVEC_CONFIGS[tuple(int(v) for v in key.strip("()").split(","))] = tuple(cfg)  # type: ignore[index]
+            cuda_ops.BLOCKED_CONFIGS[tuple(int(v) for v in key.strip("()").split(","))] = tuple(cfg)  # type: ignore[index]
     for name in args.only:
         section(name, SECTIONS[name])
     wait_for_models()

@@ -79,24 +79,23 @@ class Int4Weight:
 @dataclass(frozen=True)
 class BlockedInt4Weight(Int4Weight):
     """An Int4Weight whose bytes are in the CUDA GEMV's order (kernels/triton_matmul.py): as int32 words,
-    word i (0..7) of each 64-column block b holds column 64b + 8j + i in nibble j (low nibble first), so a
-    thread's consecutive words need consecutive x values for each nibble. Scale and minimum are unchanged;
-    dequantize() and rows() return the natural column order."""
+    word i of each `block`-column block b (block = min(group, 64): one group) holds column
+    block * b + (block / 8) * j + i in nibble j (low nibble first), so a thread's consecutive words need
+    consecutive x values for each nibble. Scale and minimum are unchanged; dequantize() and rows() return
+    the natural column order."""
 
-    BLOCK = 64
-
-    @staticmethod
-    def supports(w: Int4Weight) -> bool:
-        return type(w) is Int4Weight and w.group_size % BlockedInt4Weight.BLOCK == 0
+    @property
+    def block(self) -> int:
+        return min(self.group_size, 64)
 
     @classmethod
     def from_int4(cls, w: Int4Weight) -> BlockedInt4Weight:
-        if not cls.supports(w):
-            raise ValueError(f"the blocked INT4 layout needs a plain Int4Weight with a group size divisible by "
-                             f"{cls.BLOCK}, got {type(w).__name__} with group {w.group_size}")  # fmt: skip
+        if type(w) is not Int4Weight:
+            raise ValueError(f"the blocked INT4 layout repacks a plain Int4Weight, got {type(w).__name__}")
         n, half = w.packed.shape
-        q = w.codes(w.packed).view(n, half // 32, 8, 8).to(torch.int32)  # [n, block, j, i]
-        words = torch.zeros((n, half // 32, 8), dtype=torch.int32, device=w.packed.device)
+        block = min(w.group_size, 64)
+        q = w.codes(w.packed).view(n, 2 * half // block, 8, block // 8).to(torch.int32)  # [n, block, j, i]
+        words = torch.zeros((n, 2 * half // block, block // 8), dtype=torch.int32, device=w.packed.device)
         for j in range(8):
             words |= q[:, :, j, :] << (4 * j)  # nibble 7 lands in the sign bit: int32 wraps as intended
         packed = words.view(n, half // 4).view(torch.uint8).view(n, half)
@@ -104,7 +103,7 @@ class BlockedInt4Weight(Int4Weight):
 
     def codes(self, packed: torch.Tensor) -> torch.Tensor:
         lead, half = packed.shape[:-1], packed.shape[-1]
-        words = packed.contiguous().view(torch.int32).view(*lead, half // 32, 8)  # [..., block, i]
+        words = packed.contiguous().view(torch.int32).view(*lead, 2 * half // self.block, self.block // 8)
         nibbles = torch.stack([(words >> (4 * j)) & 0x0F for j in range(8)], dim=-2)  # [..., block, j, i]
         return nibbles.to(torch.uint8).reshape(*lead, 2 * half)
 

@@ -9,7 +9,7 @@ from helpers import max_rel_error, random_flat_weights
 from naive_reference import naive_forward
 from tinyloop.config import ArchConfig
 from tinyloop.model.weights import ModelWeights
-from tinyloop.quant import BlockedInt4Weight, quantize_int4
+from tinyloop.quant import BlockedInt4Weight, Int4Weight, quantize_int4
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.fused_decode import FusedDecoder
 
@@ -42,8 +42,7 @@ def build(variant: str, blocked: bool = False) -> tuple[ArchConfig, dict[str, to
     packed = {n: quantize_int4(t, 64 if blocked else 32) if t.dim() == 2 and n.startswith(matrix) else t
               for n, t in flat.items()}  # fmt: skip
     if blocked:
-        packed = {n: BlockedInt4Weight.from_int4(w) if BlockedInt4Weight.supports(w) else w  # type: ignore[arg-type]
-                  for n, w in packed.items()}  # fmt: skip
+        packed = {n: BlockedInt4Weight.from_int4(w) if type(w) is Int4Weight else w for n, w in packed.items()}
     dense = {n: w.dequantize() if hasattr(w, "dequantize") else w for n, w in packed.items()}
     cpu = torch.device("cpu")
     fused = Engine(cfg, ModelWeights.from_flat(cfg, packed), cpu, torch.float32)

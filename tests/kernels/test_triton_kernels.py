@@ -67,12 +67,12 @@ def _rows(w, n):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 4])
-@pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("group", [32, 64, 128])
 def test_blocked_int4_gemv_matches_reference(dtype: torch.dtype, rows: int, group: int) -> None:
     """The blocked-layout GEMV (decode rows) with every fusion, against the plain-layout weight's float64
-    product; K = 5 blocks of 64 leaves a partial tile of blocks, N = 37 a partial tile of features."""
+    product; K = 5 or 10 blocks leaves a partial tile of blocks, N = 37 a partial tile of features."""
     gen = torch.Generator().manual_seed(rows + group)
-    K, N = 320 if group == 64 else 384, 37
+    K, N = 384 if group == 128 else 320, 37
     raw = torch.randn(2 * N, K, generator=gen) / K**0.5
     plain = quantize_int4(raw, group)
     blocked = BlockedInt4Weight.from_int4(plain)
@@ -100,15 +100,19 @@ def test_blocked_int4_prefill_paths_match_plain(monkeypatch: pytest.MonkeyPatch)
     """Many rows: the blocked weight dequantized for cuBLAS, and through the tensor-core Triton kernel
     (cuBLAS switched off), give the plain weight's results."""
     gen = torch.Generator().manual_seed(3)
-    plain = quantize_int4(torch.randn(48, 256, generator=gen), 64)
-    blocked = BlockedInt4Weight.from_int4(plain)
-    assert torch.equal(ops.dequantize_int4(blocked, torch.float32), plain.dequantize())
     x = torch.randn(9, 256, generator=gen)
-    ref = reference(x, plain.dequantize())
-    assert frob_rel_error(ops.fused_linear(x, blocked), ref) <= 1e-5
+    cases = []
+    for group in (32, 64):
+        plain = quantize_int4(torch.randn(48, 256, generator=gen), group)
+        blocked = BlockedInt4Weight.from_int4(plain)
+        assert torch.equal(ops.dequantize_int4(blocked, torch.float32), plain.dequantize())
+        cases.append((blocked, reference(x, plain.dequantize())))
+    for blocked, ref in cases:
+        assert frob_rel_error(ops.fused_linear(x, blocked), ref) <= 1e-5
     monkeypatch.setattr(ops, "USE_CUBLAS_16BIT", False)
     monkeypatch.setattr(ops, "DOT_MAX_ROWS", 10**9)
-    assert frob_rel_error(ops.fused_linear(x, blocked), ref) <= 1e-5
+    for blocked, ref in cases:
+        assert frob_rel_error(ops.fused_linear(x, blocked), ref) <= 1e-5
 
 
 def test_dequantize_int4_is_exact() -> None:

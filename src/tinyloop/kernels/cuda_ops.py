@@ -16,9 +16,7 @@ from tinyloop.kernels.triton_matmul import (
     _dequant_kernel,
     _gemv_blocked_int4_kernel,
     _matmul_kernel,
-    _matvec1_int4_kernel,
     _matvec_kernel,
-    _matvec_rows_int4_kernel,
 )
 from tinyloop.kernels.triton_norm import _rms_norm_kernel
 from tinyloop.quant import BlockedInt4Weight, Int4Weight
@@ -31,7 +29,6 @@ ACT_NONE, ACT_SWIGLU, ACT_GELU = 0, 1, 2
 # every tensor-core tile tried from 16 rows up (qkv of seed-407m: 18.7 vs 23.1 us at 16 rows, 57 vs
 # 224 us at 1024), so the tensor-core kernel is only used where cuBLAS is switched off.
 MATVEC_MAX_ROWS = 4
-INT4_MATVEC_MAX_ROWS = 4
 DOT_MAX_ROWS = 4
 
 # Cached attention: keys per iteration and warps per (row, head) program. Few programs run (one per
@@ -42,11 +39,8 @@ ATTENTION_WARPS = 8
 
 # (N, K, rows) -> (BLOCK_N, BLOCK_K, num_warps); filled by benchmark sweeps to override the heuristic.
 MATVEC_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
-# The same for the blocked-layout GEMV: (N, K, rows) -> (BLOCK_N, 64-column blocks per tile, num_warps).
+# The same for the blocked-layout INT4 GEMV: (N, K, rows) -> (BLOCK_N, blocks per tile, num_warps).
 BLOCKED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
-# Whether a CUDA engine repacks its INT4 matrices into the blocked layout (runtime/loader.py); benchmarks
-# clear it to measure the plain-layout kernels.
-USE_BLOCKED_INT4 = True
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every tensor-core launch, or None: heuristic.
 MATMUL_CONFIG: tuple[int, int, int, int, int] | None = None
 
@@ -69,8 +63,8 @@ USE_CUBLAS_16BIT = True
 def _matvec_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, int]:
     if (n, k, rows) in MATVEC_CONFIGS:
         return MATVEC_CONFIGS[(n, k, rows)]
-    # Winners of bench/gpu_suite.py's sweep on an H200 (seed-407m shapes, with PDL; docs/BENCHMARKS.md):
-    # 4 output features and 4 warps a program; long rows in 2048-column bites when there are few features.
+    # Tiles of the plain-layout INT4 GEMV that the blocked one replaced (H200, seed-407m shapes, session 3;
+    # docs/BENCHMARKS.md); this kernel now serves 16-bit weights and INT4 outside an engine.
     if rows == 1:
         return (4, max(group, 2048), 4) if n <= 2048 else (4, max(group, 1024), 4)
     return 4, max(group, 512), 4
@@ -79,7 +73,7 @@ def _matvec_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, int
 def _blocked_config(n: int, k: int, rows: int) -> tuple[int, int, int]:
     if (n, k, rows) in BLOCKED_CONFIGS:
         return BLOCKED_CONFIGS[(n, k, rows)]
-    # Winners of bench/gpu_suite.py's `blocked` sweep on an H200 (seed-407m shapes; docs/BENCHMARKS.md).
+    # Winners of bench/gpu_suite.py's sweep on an H200 (seed-407m shapes; docs/BENCHMARKS.md).
     if rows == 1:
         return (8, 8, 4) if n >= 16384 else (4, 16, 4)  # (8, 8, 4): the vocabulary head
     return (2, 8, 1) if n >= 4096 else (8, 16, 4)
@@ -97,6 +91,11 @@ def _weight_parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"the CUDA kernels take INT4 or 16-bit weights, got {type(w).__name__}")
     return w, w, w, 64, False
+
+
+def _block_width(w: Weight) -> int:
+    """The blocked INT4 layout's block width for `_load_w`, or 0 for the plain layout."""
+    return w.block if isinstance(w, BlockedInt4Weight) else 0
 
 
 def fused_linear(
@@ -133,28 +132,13 @@ def fused_linear(
         RESIDUAL=residual is not None,
     )  # fmt: skip
     args = (x, words, scale, minimum, out, res, nw, b, M, N, K, eps, x.stride(0), out.stride(0), res.stride(0))
-    if isinstance(w, BlockedInt4Weight) and M <= INT4_MATVEC_MAX_ROWS:
+    if isinstance(w, BlockedInt4Weight) and M <= MATVEC_MAX_ROWS:
         block_n, block_b, warps = _blocked_config(N, K, M)
         del flags["INT4"]
         _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
-            *args, K // 8, K // group, **flags, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_B=block_b,
-            num_warps=warps, **_pdl(),
+            *args, K // 8, K // group, **flags, BLOCK=w.block, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
+            BLOCK_B=block_b, num_warps=warps, **_pdl(),
         )  # fmt: skip
-        return out
-    if is_int4 and M <= INT4_MATVEC_MAX_ROWS:
-        block_n, block_k, warps = _matvec_config(N, K, M, group)
-        strides = (K // 8, K // group)
-        flags = dict(flags, GROUP=group)
-        del flags["INT4"]
-        if M == 1:
-            _matvec1_int4_kernel[(triton.cdiv(N, block_n),)](
-                *args, *strides, **flags, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **_pdl()
-            )
-        else:
-            _matvec_rows_int4_kernel[(triton.cdiv(N, block_n),)](
-                *args, *strides, **flags, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_K=block_k,
-                num_warps=warps, **_pdl(),
-            )  # fmt: skip
         return out
     if M <= MATVEC_MAX_ROWS:
         block_n, block_k, warps = _matvec_config(N, K, M, group)
@@ -165,11 +149,9 @@ def fused_linear(
         return out
     block_m, block_n, block_k, warps, stages = MATMUL_CONFIG or _matmul_config(M, N, group)
     grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    if isinstance(w, BlockedInt4Weight):
-        block_k = max(block_k, 64)
     _matmul_kernel[grid](
         *args, **flags, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        BLOCKED=isinstance(w, BlockedInt4Weight), num_warps=warps, num_stages=stages,
+        BLOCKED=_block_width(w), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
 
@@ -182,7 +164,7 @@ def dequantize_int4(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
     grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
     _dequant_kernel[grid](
         w.packed.view(torch.int32), w.scale, w.minimum, out, N, K, GROUP=w.group_size, BLOCK_N=block_n,
-        BLOCK_K=block_k, BLOCKED=isinstance(w, BlockedInt4Weight),
+        BLOCK_K=block_k, BLOCKED=_block_width(w),
     )  # fmt: skip
     return out
 

@@ -1,14 +1,15 @@
 """Triton matrix kernels for CUDA: INT4 (or 16-bit) weights with the norm, bias, SwiGLU and residual fused in.
 
-Two kernels share one weight-tile loader:
-- `_matvec_kernel` for 1-4 rows (decode): a weight tile is dequantized once and multiplied with every
-  row on CUDA cores; each program owns a few output features, so small matrices still fill the GPU.
+- `_gemv_blocked_int4_kernel` for 1-4 rows (decode) of INT4 weights in the blocked layout, the layout
+  CUDA engines repack their INT4 matrices into (quant.BlockedInt4Weight).
+- `_matvec_kernel` for 1-4 rows of any other weight (16-bit, or INT4 in the file's plain layout): a weight
+  tile is dequantized once and multiplied with every row on CUDA cores.
 - `_matmul_kernel` for more rows (prefill, batched decode): tensor-core `tl.dot` on dequantized tiles.
+The last two and `_dequant_kernel` share the weight-tile loader `_load_w`.
 
-INT4 layout: the file's packed bytes viewed as int32 words [N, K/8]; nibble j of word w is column
-8w + j (low nibble first), value = q * scale[n, g] + minimum[n, g] with g = column // group. On CUDA the
-engine repacks weights into the blocked layout (quant.BlockedInt4Weight: word i of a 64-column block
-holds columns 8j + i), read by `_gemv_blocked_int4_kernel` for decode and by `_load_w(BLOCKED=True)`.
+INT4 plain layout: the file's packed bytes viewed as int32 words [N, K/8]; nibble j of word w is column
+8w + j (low nibble first), value = q * scale[n, g] + minimum[n, g] with g = column // group. Blocked
+layout: word i of each BLOCK-column block (BLOCK = min(group, 64)) holds column (BLOCK / 8) j + i.
 """
 
 from __future__ import annotations
@@ -65,10 +66,10 @@ def _load_w(
     INT4: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCKED: tl.constexpr = False,
+    BLOCKED: tl.constexpr = 0,
 ):
     """Weight rows `rows`, columns k0..k0+BLOCK_K, as float32 [BLOCK_N, BLOCK_K] (zeros past K). BLOCKED:
-    the words are in the blocked layout (BLOCK_K and k0 multiples of 64)."""
+    0 for the plain layout, else the block width of the blocked layout (BLOCK_K, k0 multiples of it)."""
     if INT4:
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(
@@ -80,7 +81,7 @@ def _load_w(
         q = (words[:, :, None] >> shifts[None, None, :]) & 0xF
         qf = (q | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC
         if BLOCKED:  # [n, block, i, j] -> column order [n, block, j, i]
-            qf = tl.permute(tl.reshape(qf, (BLOCK_N, BLOCK_K // 64, 8, 8)), (0, 1, 3, 2))
+            qf = tl.permute(tl.reshape(qf, (BLOCK_N, BLOCK_K // BLOCKED, BLOCKED // 8, 8)), (0, 1, 3, 2))
         qf = tl.reshape(qf, (BLOCK_N, BLOCK_K // GROUP, GROUP))
         offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
         g_mask = row_mask[:, None] & (offs_g[None, :] < K // GROUP)
@@ -183,199 +184,6 @@ def _matvec_kernel(
 
 
 @triton.jit
-def _nibble(words, j: tl.constexpr):
-    """Nibble j of each word as an exact float32 (via the 2**23 mantissa trick)."""
-    q = ((words >> (4 * j)) & 0xF) | _MAGIC_BITS
-    return q.to(tl.float32, bitcast=True) - _MAGIC
-
-
-@triton.jit
-def _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w, mask, stride_w, stride_g, GROUP: tl.constexpr):
-    """Packed words [rows, offs_w] with each word's group scale and minimum (float32)."""
-    g_idx = rows[:, None] * stride_g + offs_w[None, :] // (GROUP // 8)
-    words = tl.load(w_ptr + rows[:, None] * stride_w + offs_w[None, :], mask=mask, other=0)
-    s = tl.load(s_ptr + g_idx, mask=mask, other=0.0).to(tl.float32)
-    mn = tl.load(m_ptr + g_idx, mask=mask, other=0.0).to(tl.float32)
-    return words, s, mn
-
-
-@triton.jit
-def _load_tiles(
-    w_ptr, s_ptr, m_ptr, rows, row_mask, offs_w, N, K, stride_w, stride_g, GROUP: tl.constexpr, ACT: tl.constexpr
-):
-    """The word tile at word columns `offs_w` (zeros past K) of rows `rows`, and with SwiGLU (ACT 1) the
-    matching tile of the up rows (rows + N); without it the second tile repeats the first (unused)."""
-    mask = row_mask[:, None] & (offs_w < K // 8)[None, :]
-    words, s, mn = _load_words(w_ptr, s_ptr, m_ptr, rows, offs_w, mask, stride_w, stride_g, GROUP)
-    words_up, s_up, mn_up = words, s, mn
-    if ACT == 1:
-        words_up, s_up, mn_up = _load_words(w_ptr, s_ptr, m_ptr, rows + N, offs_w, mask, stride_w, stride_g, GROUP)
-    return words, s, mn, words_up, s_up, mn_up
-
-
-@triton.jit
-def _matvec1_int4_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    m_ptr,
-    out_ptr,
-    res_ptr,
-    nw_ptr,
-    b_ptr,
-    M,
-    N,
-    K,
-    eps,
-    stride_xm,
-    stride_om,
-    stride_rm,
-    stride_w,
-    stride_g,
-    GROUP: tl.constexpr,
-    NORM: tl.constexpr,
-    BIAS: tl.constexpr,
-    ACT: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """One row times an INT4 matrix, on the packed words directly (no reshapes): column 8w + j is nibble j
-    of word w, so x is read as 8 strided vectors. With NORM the row's 1/rms is gathered on the way and
-    applied at the end (w . (x * g) * rstd), so the norm costs no second pass over x."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    BLOCK_W: tl.constexpr = BLOCK_K // 8
-    acc = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
-    acc_up = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
-    sumsq = tl.zeros((BLOCK_W,), tl.float32)
-    # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait
-    # (with programmatic dependent launch, while the previous kernel finishes), and each iteration fetches
-    # the next tile before using the current one.
-    words, s, mn, words_up, s_up, mn_up = _load_tiles(
-        w_ptr, s_ptr, m_ptr, rows, row_mask, tl.arange(0, BLOCK_W), N, K, stride_w, stride_g, GROUP, ACT
-    )
-    _wait_for_previous_kernel(PDL)
-    for k0 in range(0, K, BLOCK_K):
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_W)
-        w_mask = offs_w < K // 8
-        cur, cur_s, cur_mn, cur_up, cur_s_up, cur_mn_up = words, s, mn, words_up, s_up, mn_up
-        words, s, mn, words_up, s_up, mn_up = _load_tiles(
-            w_ptr, s_ptr, m_ptr, rows, row_mask, offs_w + BLOCK_W, N, K, stride_w, stride_g, GROUP, ACT
-        )
-        part = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
-        part_up = tl.zeros((BLOCK_N, BLOCK_W), tl.float32)
-        xsum = tl.zeros((BLOCK_W,), tl.float32)
-        for j in tl.static_range(8):
-            xj = tl.load(x_ptr + offs_w * 8 + j, mask=w_mask, other=0.0).to(tl.float32)
-            if NORM:
-                sumsq += xj * xj
-                xj = xj * tl.load(nw_ptr + offs_w * 8 + j, mask=w_mask, other=0.0).to(tl.float32)
-            xsum += xj
-            part += _nibble(cur, j) * xj[None, :]
-            if ACT == 1:
-                part_up += _nibble(cur_up, j) * xj[None, :]
-        acc += cur_s * part + cur_mn * xsum[None, :]
-        if ACT == 1:
-            acc_up += cur_s_up * part_up + cur_mn_up * xsum[None, :]
-    y = tl.sum(acc, axis=1)
-    y_up = tl.sum(acc_up, axis=1)
-    if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=0) / K + eps)
-        y = y * rstd
-        y_up = y_up * rstd
-    offs_m = tl.arange(0, 1)
-    _epilogue(
-        y[None, :], y_up[None, :], offs_m, offs_m < 1, rows, row_mask, out_ptr, stride_om, res_ptr, stride_rm, b_ptr,
-        BIAS, ACT, RESIDUAL,
-    )  # fmt: skip
-
-
-@triton.jit
-def _matvec_rows_int4_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    m_ptr,
-    out_ptr,
-    res_ptr,
-    nw_ptr,
-    b_ptr,
-    M,
-    N,
-    K,
-    eps,
-    stride_xm,
-    stride_om,
-    stride_rm,
-    stride_w,
-    stride_g,
-    GROUP: tl.constexpr,
-    NORM: tl.constexpr,
-    BIAS: tl.constexpr,
-    ACT: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """The 1-row kernel for 2..ROWS rows (batched decode, speculative verification): each weight word is
-    unpacked once and used for every row."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    offs_m = tl.arange(0, ROWS)
-    m_mask = offs_m < M
-    BLOCK_W: tl.constexpr = BLOCK_K // 8
-    acc = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
-    acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
-    sumsq = tl.zeros((ROWS, BLOCK_W), tl.float32)
-    # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait
-    # (with programmatic dependent launch, while the previous kernel finishes), and each iteration fetches
-    # the next tile before using the current one.
-    words, s, mn, words_up, s_up, mn_up = _load_tiles(
-        w_ptr, s_ptr, m_ptr, rows, row_mask, tl.arange(0, BLOCK_W), N, K, stride_w, stride_g, GROUP, ACT
-    )
-    _wait_for_previous_kernel(PDL)
-    for k0 in range(0, K, BLOCK_K):
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_W)
-        w_mask = offs_w < K // 8
-        cur, cur_s, cur_mn, cur_up, cur_s_up, cur_mn_up = words, s, mn, words_up, s_up, mn_up
-        words, s, mn, words_up, s_up, mn_up = _load_tiles(
-            w_ptr, s_ptr, m_ptr, rows, row_mask, offs_w + BLOCK_W, N, K, stride_w, stride_g, GROUP, ACT
-        )
-        part = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
-        part_up = tl.zeros((ROWS, BLOCK_N, BLOCK_W), tl.float32)
-        xsum = tl.zeros((ROWS, BLOCK_W), tl.float32)
-        x_mask = m_mask[:, None] & w_mask[None, :]
-        for j in tl.static_range(8):
-            xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_w[None, :] * 8 + j, mask=x_mask, other=0.0)
-            xj = xj.to(tl.float32)
-            if NORM:
-                sumsq += xj * xj
-                xj = xj * tl.load(nw_ptr + offs_w * 8 + j, mask=w_mask, other=0.0).to(tl.float32)[None, :]
-            xsum += xj
-            part += _nibble(cur, j)[None, :, :] * xj[:, None, :]
-            if ACT == 1:
-                part_up += _nibble(cur_up, j)[None, :, :] * xj[:, None, :]
-        acc += cur_s[None, :, :] * part + cur_mn[None, :, :] * xsum[:, None, :]
-        if ACT == 1:
-            acc_up += cur_s_up[None, :, :] * part_up + cur_mn_up[None, :, :] * xsum[:, None, :]
-    y = tl.sum(acc, axis=2)
-    y_up = tl.sum(acc_up, axis=2)
-    if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(sumsq, axis=1) / K + eps)
-        y = y * rstd[:, None]
-        y_up = y_up * rstd[:, None]
-    _epilogue(
-        y, y_up, offs_m, m_mask, rows, row_mask, out_ptr, stride_om, res_ptr, stride_rm, b_ptr, BIAS, ACT, RESIDUAL
-    )
-
-
-@triton.jit
 def _matmul_kernel(
     x_ptr,
     w_ptr,
@@ -402,7 +210,7 @@ def _matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCKED: tl.constexpr = False,
+    BLOCKED: tl.constexpr = 0,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -470,16 +278,18 @@ def _blocked_f(words, j: tl.constexpr):
 
 
 @triton.jit
-def _load_blocked_tile(w_ptr, s_ptr, m_ptr, rows, row_mask, blk, n_blocks, stride_w, stride_g, GROUP: tl.constexpr):
-    """Words [rows, blocks, 8] of the 64-column blocks `blk`, and each block's scale and minimum [rows, blocks]."""
-    offs_i = tl.arange(0, 8)
+def _load_blocked_tile(
+    w_ptr, s_ptr, m_ptr, rows, row_mask, blk, n_blocks, stride_w, stride_g, GROUP: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Words [rows, blocks, BLOCK / 8] of the blocks `blk`, and each block's scale and minimum [rows, blocks]."""
+    offs_i = tl.arange(0, BLOCK // 8)
     blk_mask = row_mask[:, None] & (blk < n_blocks)[None, :]
     words = tl.load(
-        w_ptr + rows[:, None, None] * stride_w + blk[None, :, None] * 8 + offs_i[None, None, :],
+        w_ptr + rows[:, None, None] * stride_w + blk[None, :, None] * (BLOCK // 8) + offs_i[None, None, :],
         mask=blk_mask[:, :, None],
         other=0,
     )
-    g_idx = rows[:, None] * stride_g + (blk * 64 // GROUP)[None, :]
+    g_idx = rows[:, None] * stride_g + (blk * BLOCK // GROUP)[None, :]
     s = tl.load(s_ptr + g_idx, mask=blk_mask, other=0.0).to(tl.float32)
     mn = tl.load(m_ptr + g_idx, mask=blk_mask, other=0.0).to(tl.float32)
     return words, s, mn
@@ -505,6 +315,7 @@ def _gemv_blocked_int4_kernel(
     stride_w,
     stride_g,
     GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
     NORM: tl.constexpr,
     BIAS: tl.constexpr,
     ACT: tl.constexpr,
@@ -515,26 +326,29 @@ def _gemv_blocked_int4_kernel(
     PDL: tl.constexpr,
 ):
     """1..ROWS rows times an INT4 matrix in the blocked layout (quant.BlockedInt4Weight: word i of a
-    64-column block holds columns 8j + i), so a thread's consecutive words need consecutive x values for
-    each nibble j and both load as vectors in the same register layout. Per 64-column block:
+    BLOCK-column block holds column (BLOCK / 8) j + i), so a thread's consecutive words need consecutive x
+    values for each nibble j and both load as vectors in the same register layout. Per block (one group):
     sum_k x_k q_k = 16 (sum_k x_k (1 + q_k / 16) - sum_k x_k), then scale and minimum once per block."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     offs_m = tl.arange(0, ROWS)
     m_mask = offs_m < M
-    offs_i = tl.arange(0, 8)
-    n_blocks = K // 64
+    WORDS: tl.constexpr = BLOCK // 8
+    offs_i = tl.arange(0, WORDS)
+    n_blocks = K // BLOCK
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_B), tl.float32)
     acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_B), tl.float32)
-    sumsq = tl.zeros((ROWS, BLOCK_N, BLOCK_B, 8), tl.float32)
+    sumsq = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
     # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait.
     blk = tl.arange(0, BLOCK_B)
-    words, s, mn = _load_blocked_tile(w_ptr, s_ptr, m_ptr, rows, row_mask, blk, n_blocks, stride_w, stride_g, GROUP)
+    words, s, mn = _load_blocked_tile(
+        w_ptr, s_ptr, m_ptr, rows, row_mask, blk, n_blocks, stride_w, stride_g, GROUP, BLOCK
+    )
     words_up, s_up, mn_up = words, s, mn
     if ACT == 1:
         words_up, s_up, mn_up = _load_blocked_tile(
-            w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk, n_blocks, stride_w, stride_g, GROUP
+            w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk, n_blocks, stride_w, stride_g, GROUP, BLOCK
         )
     _wait_for_previous_kernel(PDL)
     # x is read through a pointer of the weight tile's full shape so that it lands in the same layout.
@@ -544,21 +358,21 @@ def _gemv_blocked_int4_kernel(
         x_mask = m_mask[:, None, None, None] & (row_mask[:, None, None] & (blk < n_blocks)[None, :, None])[None]
         cur, cur_s, cur_mn, cur_up, cur_s_up, cur_mn_up = words, s, mn, words_up, s_up, mn_up
         words, s, mn = _load_blocked_tile(
-            w_ptr, s_ptr, m_ptr, rows, row_mask, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP
+            w_ptr, s_ptr, m_ptr, rows, row_mask, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP, BLOCK
         )
         if ACT == 1:
             words_up, s_up, mn_up = _load_blocked_tile(
-                w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP
+                w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP, BLOCK
             )
-        part = tl.zeros((ROWS, BLOCK_N, BLOCK_B, 8), tl.float32)
-        part_up = tl.zeros((ROWS, BLOCK_N, BLOCK_B, 8), tl.float32)
-        xsum = tl.zeros((ROWS, BLOCK_N, BLOCK_B, 8), tl.float32)
+        part = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
+        part_up = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
+        xsum = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
         for j in tl.static_range(8):
-            cols = (blk * 64 + 8 * j)[None, None, :, None] + offs_i[None, None, None, :]
+            cols = (blk * BLOCK + WORDS * j)[None, None, :, None] + offs_i[None, None, None, :]
             xj = tl.load(x_ptr + x_rows + cols, mask=x_mask, other=0.0).to(tl.float32)
             if NORM:
                 sumsq += xj * xj
-                g_cols = (blk * 64 + 8 * j)[None, :, None] + offs_i[None, None, :] + (rows * 0)[:, None, None]
+                g_cols = (blk * BLOCK + WORDS * j)[None, :, None] + offs_i[None, None, :] + (rows * 0)[:, None, None]
                 g = tl.load(nw_ptr + g_cols, mask=(blk < n_blocks)[None, :, None], other=0.0)
                 xj = xj * g.to(tl.float32)[None]
             xsum += xj

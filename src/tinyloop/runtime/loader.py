@@ -92,10 +92,9 @@ def _prepare(
 
 
 def _kernel_layout(w: Int4Weight) -> Int4Weight:
-    """The CUDA GEMV's blocked layout where it applies (64-column groups; see quant.BlockedInt4Weight)."""
-    from tinyloop.kernels import cuda_ops  # keep_int4 implies Triton is installed
-
-    return BlockedInt4Weight.from_int4(w) if cuda_ops.USE_BLOCKED_INT4 and BlockedInt4Weight.supports(w) else w
+    """Plain INT4 matrices in the CUDA GEMV's blocked layout (quant.BlockedInt4Weight); the stochastic
+    kinds keep their own layout for their own kernels."""
+    return BlockedInt4Weight.from_int4(w) if type(w) is Int4Weight else w
 
 
 def dequantize_int4_cpu(w: Int4Weight) -> torch.Tensor:
