@@ -52,12 +52,9 @@ def main() -> None:
         import matplotlib.pyplot as plt
 
         fig, ax = plt.subplots(figsize=(6, 4))
-        curves = [(seed["decode_tokens_per_s_by_loops"], "seed-407m INT4 (bf16)"),
-                  (seed["tiny_decode_tokens_per_s_by_loops"], "built-in tiny (f32)")]  # fmt: skip
-        if "blocked" in data:  # session 4: the blocked-layout GEMV
-            curves[0] = (curves[0][0], "seed-407m INT4 (bf16), session-3 GEMV")
-            curves.insert(0, (data["blocked"]["decode_tokens_per_s_by_loops"], "seed-407m INT4 (bf16), blocked GEMV"))
-        for curve, label in curves:
+        for key, label in (("decode_tokens_per_s_by_loops", "seed-407m INT4 (bf16)"),
+                           ("tiny_decode_tokens_per_s_by_loops", "built-in tiny (f32)")):  # fmt: skip
+            curve = seed[key]
             loops = sorted(int(k) for k in curve)
             ax.plot(loops, [curve[str(k)] for k in loops], marker="o", label=label)
         ax.set_xscale("log", base=2)
