@@ -84,16 +84,20 @@ class BlockedInt4Weight(Int4Weight):
     consecutive x values for each nibble. Scale and minimum are unchanged; dequantize() and rows() return
     the natural column order."""
 
+    @staticmethod
+    def block_for(group_size: int) -> int:
+        return min(group_size, 64)
+
     @property
     def block(self) -> int:
-        return min(self.group_size, 64)
+        return self.block_for(self.group_size)
 
     @classmethod
     def from_int4(cls, w: Int4Weight) -> BlockedInt4Weight:
         if type(w) is not Int4Weight:
             raise ValueError(f"the blocked INT4 layout repacks a plain Int4Weight, got {type(w).__name__}")
         n, half = w.packed.shape
-        block = min(w.group_size, 64)
+        block = cls.block_for(w.group_size)
         q = w.codes(w.packed).view(n, 2 * half // block, 8, block // 8).to(torch.int32)  # [n, block, j, i]
         words = torch.zeros((n, 2 * half // block, block // 8), dtype=torch.int32, device=w.packed.device)
         for j in range(8):

@@ -351,8 +351,9 @@ def _gemv_blocked_int4_kernel(
             w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk, n_blocks, stride_w, stride_g, GROUP, BLOCK
         )
     _wait_for_previous_kernel(PDL)
-    # x is read through a pointer of the weight tile's full shape so that it lands in the same layout.
-    x_rows = offs_m[:, None, None, None] * stride_xm + (rows * 0)[None, :, None, None]
+    # x (and the norm gain) is read through pointers of the weight tile's full shape [rows, blocks, words]
+    # so that it lands in the tile's register layout.
+    zero_rows = (rows * 0)[:, None, None]
     for kb in range(0, n_blocks, BLOCK_B):
         blk = kb + tl.arange(0, BLOCK_B)
         x_mask = m_mask[:, None, None, None] & (row_mask[:, None, None] & (blk < n_blocks)[None, :, None])[None]
@@ -368,12 +369,12 @@ def _gemv_blocked_int4_kernel(
         part_up = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
         xsum = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
         for j in tl.static_range(8):
-            cols = (blk * BLOCK + WORDS * j)[None, None, :, None] + offs_i[None, None, None, :]
-            xj = tl.load(x_ptr + x_rows + cols, mask=x_mask, other=0.0).to(tl.float32)
+            cols = zero_rows + (blk * BLOCK + WORDS * j)[None, :, None] + offs_i[None, None, :]
+            xj = tl.load(x_ptr + offs_m[:, None, None, None] * stride_xm + cols[None], mask=x_mask, other=0.0)
+            xj = xj.to(tl.float32)
             if NORM:
                 sumsq += xj * xj
-                g_cols = (blk * BLOCK + WORDS * j)[None, :, None] + offs_i[None, None, :] + (rows * 0)[:, None, None]
-                g = tl.load(nw_ptr + g_cols, mask=(blk < n_blocks)[None, :, None], other=0.0)
+                g = tl.load(nw_ptr + cols, mask=(blk < n_blocks)[None, :, None], other=0.0)
                 xj = xj * g.to(tl.float32)[None]
             xsum += xj
             part += _blocked_f(cur, j)[None] * xj
