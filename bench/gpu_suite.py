@@ -235,6 +235,14 @@ def quick_correctness_section() -> dict[str, Any]:
         for layout, w in (("plain", q), ("blocked", BlockedInt4Weight.from_int4(q))):
             got = cuda_ops.fused_linear(x.cuda(), w, norm_weight=nw.cuda(), eps=1e-6, act=cuda_ops.ACT_SWIGLU)
             kernels[f"rows={rows} g{group} {layout} f32 rel_frob"] = rel(got.cpu(), torch.nn.functional.silu(g) * u)
+    # bf16 through the blocked tensor-core kernel (the CPU interpreter cannot check bf16 tl.dot)
+    for rows, group in ((5, 64), (16, 32), (9, 128)):
+        raw = torch.randn(2048, 2048, generator=gen) / 45
+        q = quantize_int4(raw, group)
+        x = torch.randn(rows, 2048, generator=gen).bfloat16()
+        got = cuda_ops.fused_linear(x.cuda(), BlockedInt4Weight.from_int4(q).to("cuda"))
+        ref = x.double() @ q.dequantize().double().T
+        kernels[f"rows={rows} g{group} blocked bf16 rel_frob"] = rel(got.float().cpu(), ref)
     return {
         "int4_kernels_vs_float64": kernels,
         "tiny_default_dtype": compare_model("tiny", ids, 8, prompts),
@@ -304,6 +312,118 @@ def sweep_section() -> dict[str, Any]:
         for rows in (1, 4)
     }
     return res
+
+
+GEMM_ROWS = (5, 8, 16, 32, 64)
+
+
+def _gemm_candidates(rows: int) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_N, BLOCK_M, BLOCK_K, warps) tiles of the blocked split-K kernel worth timing at `rows`."""
+    bm = 16 if rows <= 16 else 64
+    return [(64, bm, 128, 4), (64, bm, 256, 4), (32, bm, 128, 4), (32, bm, 256, 4), (128, bm, 128, 4),
+            (128, bm, 128, 8), (64, bm, 512, 4), (16, bm, 256, 4)]  # fmt: skip
+
+
+def gemm_section() -> dict[str, Any]:
+    """Blocked INT4 tensor-core kernel tiles against dequantize + cuBLAS (and 4-row GEMVs for few rows) per
+    seed-407m shape and row count; the winning tiles apply to later sections."""
+    from tinyloop.kernels.cuda_backend import pdl_supported
+
+    cuda_ops.USE_PDL = pdl_supported()
+    res: dict[str, Any] = {}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    old_max = cuda_ops.BLOCKED_GEMM_MAX_ROWS
+    for name, (n, k, act) in SEED_SHAPES.items():
+        ws = random_int4_copies(2 * n if act == 1 else n, k, gen)
+        flops_per_row = 2 * k * (2 * n if act == 1 else n)
+        for rows in GEMM_ROWS:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            table: dict[str, Any] = {}
+            cuda_ops.BLOCKED_GEMM_MAX_ROWS = 10**9
+            for cfg in _gemm_candidates(rows):
+                cuda_ops.GEMM_CONFIGS[(n, k, rows)] = cfg
+                try:
+                    table[str(cfg)] = time_cycling(x, ws, act)
+                except Exception as exc:
+                    table[str(cfg)] = {"error": str(exc)[:200]}
+            cuda_ops.BLOCKED_GEMM_MAX_ROWS = cuda_ops.MATVEC_MAX_ROWS
+            table["dequant+cublas"] = time_cycling(x, ws, act)
+            cuda_ops.BLOCKED_GEMM_MAX_ROWS = old_max
+            for v in table.values():
+                if "us" in v:
+                    v["TFLOPs"] = flops_per_row * rows / v["us"] / 1e6
+            ok = {c: v for c, v in table.items() if "us" in v and c.startswith("(")}
+            win = min(ok, key=lambda c: ok[c]["us"]) if ok else None
+            if win is not None:
+                cuda_ops.GEMM_CONFIGS[(n, k, rows)] = tuple(int(v) for v in win.strip("()").split(","))  # type: ignore[assignment]
+            res[f"{name} rows={rows}"] = {"best": win, "best_us": ok[win]["us"] if win else None,
+                                          "cublas_us": table["dequant+cublas"]["us"], "all": table}  # fmt: skip
+            print(name, rows, win, round(ok[win]["us"], 2) if win else None, "cublas",
+                  round(table["dequant+cublas"]["us"], 2), flush=True)  # fmt: skip
+        del ws
+        torch.cuda.empty_cache()
+    res["chosen_gemm"] = {str(k): v for k, v in cuda_ops.GEMM_CONFIGS.items()}
+    # Later sections: the tensor-core kernel up to the largest row count where it beats dequantize + cuBLAS
+    # summed over the shapes (and at every smaller row count).
+    limit = cuda_ops.MATVEC_MAX_ROWS
+    for rows in GEMM_ROWS:
+        mine = sum(res[f"{nm} rows={rows}"]["best_us"] or 1e9 for nm in SEED_SHAPES)
+        if mine >= sum(res[f"{nm} rows={rows}"]["cublas_us"] for nm in SEED_SHAPES):
+            break
+        limit = rows
+    cuda_ops.BLOCKED_GEMM_MAX_ROWS = res["chosen_max_rows"] = limit
+    print("BLOCKED_GEMM_MAX_ROWS", limit, flush=True)
+    return res
+
+
+def _profile_calls(fn: Callable[[], Any], calls: int) -> dict[str, Any]:
+    """Kernel time per call of fn by kernel name (torch profiler), against wall time per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / calls
+    kernels: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(ev.name[:60], []).append(ev.device_time_total)
+    table = {k: {"us_per_call": sum(v) / calls, "launches_per_call": len(v) / calls} for k, v in kernels.items()}
+    busy = sum(v["us_per_call"] for v in table.values())
+    return {"wall_us_per_call": wall * 1e6, "kernel_us_per_call": busy,
+            "kernels": dict(sorted(table.items(), key=lambda kv: -kv[1]["us_per_call"])[:25])}  # fmt: skip
+
+
+def prefill_profile_section() -> dict[str, Any]:
+    """Where prefill time goes (seed-407m, loops 8, 128 and 1,024 tokens), and a speculative run's GPU
+    busy time against its wall time (is speculation on the GPU bound by kernels or by the host?)."""
+    wait_for_models(SEED_PATH)
+    m = tinyloop.Model(SEED_PATH, max_seq_len=1024, device="cuda")
+    rng = np.random.default_rng(2)
+    out: dict[str, Any] = {}
+    for n in (128, 1024):
+        ids = rng.integers(0, 32000, n).astype(np.int32)
+        for _ in range(2):
+            m.score_last(ids, loops=8)
+        out[f"prefill_{n}"] = _profile_calls(lambda ids=ids: m.score_last(ids, loops=8), 5)
+    prompt = rng.integers(0, 32000, 64).astype(np.int32)
+    run = lambda: m.generate_speculative(prompt, 64, draft_loops=2, verify_loops=8, temperature=0.0,  # noqa: E731
+                                         adaptive=False)  # fmt: skip
+    run()
+    out["speculative_2_8_fixed_64_tokens"] = _profile_calls(run, 2)
+    run = lambda: m.generate(prompt, 64, loops=8, temperature=0.0)  # noqa: E731
+    run()
+    out["plain_8_64_tokens"] = _profile_calls(run, 2)
+    m.close()
+    torch.cuda.empty_cache()
+    for k, v in out.items():
+        print(k, round(v["wall_us_per_call"], 1), round(v["kernel_us_per_call"], 1), flush=True)
+        for name, row in list(v["kernels"].items())[:8]:
+            print("   ", name, {a: round(b, 2) for a, b in row.items()}, flush=True)
+    return out
 
 
 def pdl_section() -> dict[str, Any]:
@@ -514,13 +634,23 @@ def speculative_numbers(path: str, pairs: list[tuple[int, int]], new: int = 128)
         ts = statistics.median(timed(
             lambda d=d, v=v: m.generate_speculative(prompt, new, draft_loops=d, verify_loops=v, temperature=0.0), 3
         ))  # fmt: skip
+        fixed = m.generate_speculative(prompt, new, draft_loops=d, verify_loops=v, temperature=0.0, adaptive=False)
+        tf = statistics.median(timed(lambda d=d, v=v: m.generate_speculative(
+            prompt, new, draft_loops=d, verify_loops=v, temperature=0.0, adaptive=False), 3))  # fmt: skip
         out[f"{d},{v}"] = {
             "identical_to_plain": bool(np.array_equal(np.asarray(spec.tokens), np.asarray(plain))),
             "acceptance_rate": getattr(spec, "acceptance_rate", None),
             "tokens_per_verify": getattr(spec, "tokens_per_verify", None),
             "plain_tokens_per_s": new / tp,
             "speculative_tokens_per_s": new / ts,
+            "fixed_k4": {
+                "identical_to_plain": bool(np.array_equal(np.asarray(fixed.tokens), np.asarray(plain))),
+                "acceptance_rate": fixed.acceptance_rate,
+                "tokens_per_verify": fixed.tokens_per_verify,
+                "tokens_per_s": new / tf,
+            },
         }
+        print("speculative", path, d, v, out[f"{d},{v}"], flush=True)
     m.close()
     torch.cuda.empty_cache()
     return out
@@ -575,6 +705,8 @@ SECTIONS = {
     "quick_correctness": quick_correctness_section,
     "sweep": sweep_section,
     "pdl": pdl_section,
+    "gemm": gemm_section,
+    "prefill_profile": prefill_profile_section,
     "profile": profile_section,
     "seed407m": seed_section,
     "ouro": ouro_section,

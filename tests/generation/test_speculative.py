@@ -132,11 +132,23 @@ def test_adaptive_without_a_prompt_estimate_opens_with_a_probe(model, monkeypatc
     assert res.stats.prompt_agreement is not None and 0.0 <= res.stats.prompt_agreement <= 1.0
 
 
-def test_policy_decodes_plain_on_cuda_even_when_drafts_agree() -> None:
-    """On CUDA a multi-token verification costs a full step per token (measured), so speculation cannot pay
-    there: the adaptive policy starts plain and only probes; on CPU the same agreement starts speculating."""
+def test_policy_on_cuda_speculates_only_for_large_models() -> None:
+    """On CUDA a multi-token verification of a small model costs a full step per token (measured), so
+    speculation cannot pay there: the adaptive policy starts plain and only probes; on CPU the same
+    agreement starts speculating, and so does CUDA for a model of seed-407m's size (verification bound by
+    weight bytes)."""
+    from tinyloop.presets import preset
     from tinyloop.runtime.spec_policy import DraftPolicy
     from tinyloop.train.tiny_config import TINY_CONFIG
+
+    large = DraftPolicy(preset("seed-407m"), 2, 8, 4, True, "cuda")
+    large.prime(1.0, 64)
+    assert large.can_pay() and large.next_k(100) == 4
+    large.update(4, 4)
+    assert large.next_k(100) == 5
+    for _ in range(6):  # drafts stop agreeing: back to plain steps
+        large.update(large.next_k(100) or 1, 0)
+    assert large.next_k(100) == 0
 
     cpu = DraftPolicy(TINY_CONFIG, 2, 8, 4, True, "cpu")
     cuda = DraftPolicy(TINY_CONFIG, 2, 8, 4, True, "cuda")

@@ -65,12 +65,17 @@ def _rows(w, n):  # type: ignore[no-untyped-def]
     return w[:n].contiguous()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 16])
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_blocked_int4_gemv_matches_reference(dtype: torch.dtype, rows: int, group: int) -> None:
-    """The blocked-layout GEMV (decode rows) with every fusion, against the plain-layout weight's float64
-    product; K = 5 or 10 blocks leaves a partial tile of blocks, N = 37 a partial tile of features."""
+    """The blocked-layout kernels with every fusion, against the plain-layout weight's float64 product: the
+    GEMV (1-4 rows) and the split-K tensor-core kernel (5, 16 rows; K split in two where it is 320);
+    K = 5 or 10 blocks leaves a partial tile of blocks, N = 37 a partial tile of features."""
+    if rows > ops.MATVEC_MAX_ROWS and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter multiplies bfloat16 tl.dot operands wrongly; checked on the GPU instead")
+    if rows <= ops.MATVEC_MAX_ROWS and dtype == torch.float16:
+        pytest.skip("the GEMV's 16-bit path is covered by bfloat16")
     gen = torch.Generator().manual_seed(rows + group)
     K, N = 384 if group == 128 else 320, 37
     raw = torch.randn(2 * N, K, generator=gen) / K**0.5
@@ -81,7 +86,7 @@ def test_blocked_int4_gemv_matches_reference(dtype: torch.dtype, rows: int, grou
     norm = 1 + 0.1 * torch.randn(K, generator=gen)
     bias = 0.1 * torch.randn(N, generator=gen)
     residual = torch.randn(rows, N, generator=gen).to(dtype)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: 8-bit mantissa, norm gain rounded like the model
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]  # norm gain rounded like the model
     cases = [
         (dict(), dict()),
         (dict(act=ops.ACT_SWIGLU, norm_weight=norm, eps=1e-6), dict(act=ops.ACT_SWIGLU, norm=norm)),
@@ -97,10 +102,10 @@ def test_blocked_int4_gemv_matches_reference(dtype: torch.dtype, rows: int, grou
 
 
 def test_blocked_int4_prefill_paths_match_plain(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Many rows: the blocked weight dequantized for cuBLAS, and through the tensor-core Triton kernel
-    (cuBLAS switched off), give the plain weight's results."""
+    """Many rows: the blocked weight dequantized for cuBLAS, and through the split-K kernel (cuBLAS switched
+    off: two row tiles, the second partial), give the plain weight's results."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(9, 256, generator=gen)
+    x = torch.randn(ops.BLOCKED_GEMM_MAX_ROWS + 3, 256, generator=gen)
     cases = []
     for group in (32, 64):
         plain = quantize_int4(torch.randn(48, 256, generator=gen), group)
@@ -110,7 +115,6 @@ def test_blocked_int4_prefill_paths_match_plain(monkeypatch: pytest.MonkeyPatch)
     for blocked, ref in cases:
         assert frob_rel_error(ops.fused_linear(x, blocked), ref) <= 1e-5
     monkeypatch.setattr(ops, "USE_CUBLAS_16BIT", False)
-    monkeypatch.setattr(ops, "DOT_MAX_ROWS", 10**9)
     for blocked, ref in cases:
         assert frob_rel_error(ops.fused_linear(x, blocked), ref) <= 1e-5
 

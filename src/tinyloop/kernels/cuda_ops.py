@@ -17,6 +17,8 @@ from tinyloop.kernels.triton_matmul import (
     _gemv_blocked_int4_kernel,
     _matmul_kernel,
     _matvec_kernel,
+    _splitk_blocked_int4_kernel,
+    _splitk_epilogue_kernel,
 )
 from tinyloop.kernels.triton_norm import _rms_norm_kernel
 from tinyloop.quant import BlockedInt4Weight, Int4Weight
@@ -30,6 +32,11 @@ ACT_NONE, ACT_SWIGLU, ACT_GELU = 0, 1, 2
 # 224 us at 1024), so the tensor-core kernel is only used where cuBLAS is switched off.
 MATVEC_MAX_ROWS = 4
 DOT_MAX_ROWS = 4
+# Blocked INT4 weights (what CUDA engines run) take the split-K tensor-core kernel from MATVEC_MAX_ROWS + 1
+# up to this many rows, dequantize + cuBLAS beyond.
+BLOCKED_GEMM_MAX_ROWS = 16
+# The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
+SPLITK_PROGRAMS = 264
 
 # Cached attention: keys per iteration and warps per (row, head) program. Few programs run (one per
 # head), so each takes big bites of the cache to keep enough loads in flight (H200, seed-407m decode with
@@ -41,6 +48,8 @@ ATTENTION_WARPS = 8
 MATVEC_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 # The same for the blocked-layout INT4 GEMV: (N, K, rows) -> (BLOCK_N, blocks per tile, num_warps).
 BLOCKED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+# The same for the blocked INT4 split-K kernel: (N, K, rows) -> (BLOCK_N, BLOCK_M, BLOCK_K, num_warps).
+GEMM_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every tensor-core launch, or None: heuristic.
 MATMUL_CONFIG: tuple[int, int, int, int, int] | None = None
 
@@ -77,6 +86,14 @@ def _blocked_config(n: int, k: int, rows: int) -> tuple[int, int, int]:
     if rows == 1:
         return (8, 8, 4) if n >= 16384 else (4, 16, 4)  # (8, 8, 4): the vocabulary head
     return (2, 8, 1) if n >= 4096 else (8, 16, 4)
+
+
+def _gemm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
+    if (n, k, rows) in GEMM_CONFIGS:
+        return GEMM_CONFIGS[(n, k, rows)]
+    # Winners of bench/gpu_suite.py's gemm sweep on an H200 at 5-16 rows (seed-407m shapes).
+    block_m = 16 if rows <= 16 else 64
+    return (32, block_m, 256, 4) if n <= 2048 and k <= 2048 else (64, block_m, 128, 4)
 
 
 def _matmul_config(m: int, n: int, group: int) -> tuple[int, int, int, int, int]:
@@ -121,8 +138,10 @@ def fused_linear(
     dtype = out_dtype or x.dtype
     out = torch.empty((M, N), dtype=dtype, device=x.device)
     words, scale, minimum, group, is_int4 = _weight_parts(w)
+    blocked = isinstance(w, BlockedInt4Weight)
+    int4_rows = BLOCKED_GEMM_MAX_ROWS if blocked else DOT_MAX_ROWS
     dense_cublas = not is_int4 and USE_CUBLAS_16BIT and M > MATVEC_MAX_ROWS
-    if (is_int4 and M > DOT_MAX_ROWS and USE_CUBLAS_16BIT) or dense_cublas:
+    if (is_int4 and M > int4_rows and USE_CUBLAS_16BIT) or dense_cublas:
         return _linear_unfused(x, w, norm_weight, eps, bias, act, residual, out)
     res = residual if residual is not None else out
     nw = norm_weight if norm_weight is not None else out
@@ -132,14 +151,16 @@ def fused_linear(
         RESIDUAL=residual is not None,
     )  # fmt: skip
     args = (x, words, scale, minimum, out, res, nw, b, M, N, K, eps, x.stride(0), out.stride(0), res.stride(0))
-    if isinstance(w, BlockedInt4Weight) and M <= MATVEC_MAX_ROWS:
-        block_n, block_b, warps = _blocked_config(N, K, M)
+    if isinstance(w, BlockedInt4Weight):
         del flags["INT4"]
-        _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
-            *args, K // 8, K // group, **flags, BLOCK=w.block, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
-            BLOCK_B=block_b, num_warps=warps, **_pdl(),
-        )  # fmt: skip
-        return out
+        if M <= MATVEC_MAX_ROWS:
+            block_n, block_b, warps = _blocked_config(N, K, M)
+            _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
+                *args, K // 8, K // group, **flags, BLOCK=w.block, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
+                BLOCK_B=block_b, num_warps=warps, **_pdl(),
+            )  # fmt: skip
+            return out
+        return _splitk_linear(x, w, nw, eps, flags, out, res, b)
     if M <= MATVEC_MAX_ROWS:
         block_n, block_k, warps = _matvec_config(N, K, M, group)
         rows = triton.next_power_of_2(M)
@@ -152,6 +173,40 @@ def fused_linear(
     _matmul_kernel[grid](
         *args, **flags, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCKED=_block_width(w), num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def _splitk_linear(
+    x: torch.Tensor,
+    w: BlockedInt4Weight,
+    nw: torch.Tensor,
+    eps: float,
+    flags: dict,
+    out: torch.Tensor,
+    res: torch.Tensor,
+    b: torch.Tensor,
+) -> torch.Tensor:
+    """`_splitk_blocked_int4_kernel` into float32 partial products, `_splitk_epilogue_kernel` to finish."""
+    M, K = x.shape
+    n_total, N = w.shape[0], out.shape[1]
+    block_n, block_m, block_k, warps = _gemm_config(N, K, M)
+    block_k = max(block_k, w.group_size)
+    n_tiles, m_tiles, k_tiles = triton.cdiv(n_total, block_n), triton.cdiv(M, block_m), triton.cdiv(K, block_k)
+    splits = min(k_tiles, max(1, SPLITK_PROGRAMS // (n_tiles * m_tiles)))
+    k_per_split = triton.cdiv(k_tiles, splits) * block_k
+    splits = triton.cdiv(K, k_per_split)
+    part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
+    words = w.packed.view(torch.int32)
+    _splitk_blocked_int4_kernel[(n_tiles, splits, m_tiles)](
+        x, words, w.scale, w.minimum, nw, part, M, n_total, K, k_per_split, x.stride(0), K // 8, K // w.group_size,
+        GROUP=w.group_size, BLOCK=w.block, NORM=flags["NORM"], IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **_pdl(),
+    )  # fmt: skip
+    block = min(1024, triton.next_power_of_2(N))
+    _splitk_epilogue_kernel[(M, triton.cdiv(N, block))](
+        x, part, out, res, b, M, N, K, splits, eps, x.stride(0), out.stride(0), res.stride(0), NORM=flags["NORM"],
+        BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"], BLOCK=block, num_warps=4, **_pdl(),
     )  # fmt: skip
     return out
 

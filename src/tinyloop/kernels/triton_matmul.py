@@ -2,6 +2,8 @@
 
 - `_gemv_blocked_int4_kernel` for 1-4 rows (decode) of INT4 weights in the blocked layout, the layout
   CUDA engines repack their INT4 matrices into (quant.BlockedInt4Weight).
+- `_splitk_blocked_int4_kernel` + `_splitk_epilogue_kernel` for a few more rows of blocked INT4 weights
+  (speculative verification, batched decode): tensor-core products split over K, then summed.
 - `_matvec_kernel` for 1-4 rows of any other weight (16-bit, or INT4 in the file's plain layout): a weight
   tile is dequantized once and multiplied with every row on CUDA cores.
 - `_matmul_kernel` for more rows (prefill, batched decode): tensor-core `tl.dot` on dequantized tiles.
@@ -393,3 +395,137 @@ def _gemv_blocked_int4_kernel(
     _epilogue(
         y, y_up, offs_m, m_mask, rows, row_mask, out_ptr, stride_om, res_ptr, stride_rm, b_ptr, BIAS, ACT, RESIDUAL
     )
+
+
+@triton.jit
+def _load_code_tile(w_ptr, s_ptr, m_ptr, rows, row_mask, k0, k_end, stride_w, stride_g, GROUP: tl.constexpr,
+                    BLOCK_K: tl.constexpr):  # fmt: skip
+    """Words [rows, BLOCK_K / 8] of columns k0..k0 + BLOCK_K (zeros from k_end on), with their groups' scales
+    and minimums [rows, BLOCK_K / GROUP]."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(w_ptr + rows[:, None] * stride_w + offs_w[None, :],
+                    mask=row_mask[:, None] & (offs_w < k_end // 8)[None, :], other=0)  # fmt: skip
+    offs_g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    g_mask = row_mask[:, None] & (offs_g < k_end // GROUP)[None, :]
+    s = tl.load(s_ptr + rows[:, None] * stride_g + offs_g[None, :], mask=g_mask, other=0.0).to(tl.float32)
+    mn = tl.load(m_ptr + rows[:, None] * stride_g + offs_g[None, :], mask=g_mask, other=0.0).to(tl.float32)
+    return words, s, mn
+
+
+@triton.jit
+def _splitk_blocked_int4_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    m_ptr,
+    nw_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_w,
+    stride_g,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NORM: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """A few rows of x times an INT4 matrix in the blocked layout on tensor cores, split over K: program
+    (n, s, m) multiplies weight rows n * BLOCK_N.. with columns s * k_per_split.. and stores its float32
+    partial product in part[s, m rows, n rows]; `_splitk_epilogue_kernel` sums the splits. Few rows read
+    the whole matrix for little arithmetic, so the split exists to keep enough weight bytes in flight.
+    The weight tile is the MMA's tall operand ([BLOCK_N, BLOCK_K] x x^T [BLOCK_K, BLOCK_M]), dequantized in
+    registers in the words' nibble order (word i, nibble j) while x is gathered in that same order
+    (column (BLOCK / 8) j + i of the block), so no register shuffles are needed. With NORM, x is multiplied
+    by the norm gain here and by 1 / rms in the epilogue."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    k_begin = pid_s * k_per_split
+    k_end = tl.minimum(K, k_begin + k_per_split)
+    WORDS: tl.constexpr = BLOCK // 8
+    p = tl.arange(0, BLOCK_K)
+    word = p // 8
+    cols_in_tile = (word // WORDS) * BLOCK + WORDS * (p % 8) + word % WORDS
+    shifts = tl.arange(0, 8) * 4
+    dt = x_ptr.dtype.element_ty
+    # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait.
+    words, s, mn = _load_code_tile(w_ptr, s_ptr, m_ptr, rows, row_mask, k_begin, k_end, stride_w, stride_g, GROUP,
+                                   BLOCK_K)  # fmt: skip
+    _wait_for_previous_kernel(PDL)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        cur, cur_s, cur_mn = words, s, mn
+        words, s, mn = _load_code_tile(w_ptr, s_ptr, m_ptr, rows, row_mask, k0 + BLOCK_K, k_end, stride_w, stride_g,
+                                       GROUP, BLOCK_K)  # fmt: skip
+        cols = k0 + cols_in_tile
+        c_mask = cols < k_end
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + cols[:, None], mask=c_mask[:, None] & m_mask[None, :],
+                     other=0.0)  # fmt: skip
+        if NORM:
+            gain = tl.load(nw_ptr + cols, mask=c_mask, other=0.0).to(dt).to(tl.float32)
+            xt = (xt.to(tl.float32) * gain[:, None]).to(dt)
+        q = (cur[:, :, None] >> shifts[None, None, :]) & 0xF
+        codes = tl.reshape((q | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC, (BLOCK_N, BLOCK_K // GROUP, GROUP))
+        w = tl.reshape(codes * cur_s[:, :, None] + cur_mn[:, :, None], (BLOCK_N, BLOCK_K)).to(dt)
+        if IEEE:
+            acc = tl.dot(w, xt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+    part = part_ptr + pid_s * M * N + offs_m[None, :] * N + rows[:, None]
+    tl.store(part, acc, mask=row_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit
+def _splitk_epilogue_kernel(
+    x_ptr,
+    part_ptr,
+    out_ptr,
+    res_ptr,
+    b_ptr,
+    M,
+    N,
+    K,
+    splits,
+    eps,
+    stride_xm,
+    stride_om,
+    stride_rm,
+    NORM: tl.constexpr,
+    BIAS: tl.constexpr,
+    ACT: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Row m, features pid * BLOCK..: the sum of `_splitk_blocked_int4_kernel`'s partial products (gate and
+    up halves for SwiGLU), times 1 / rms(x) with NORM, then bias, activation and residual."""
+    m = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col_mask = cols < N
+    width = 2 * N if ACT == 1 else N
+    _wait_for_previous_kernel(PDL)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    acc_up = tl.zeros((BLOCK,), tl.float32)
+    for sp in range(0, splits):
+        base = part_ptr + (sp * M + m) * width
+        acc += tl.load(base + cols, mask=col_mask, other=0.0)
+        if ACT == 1:
+            acc_up += tl.load(base + N + cols, mask=col_mask, other=0.0)
+    offs_m = m + tl.arange(0, 1)
+    if NORM:
+        rstd = _row_rstd(x_ptr, stride_xm, offs_m, offs_m < M, K, eps, 1024)
+        acc = acc * rstd
+        acc_up = acc_up * rstd
+    _epilogue(acc[None, :], acc_up[None, :], offs_m, offs_m < M, cols, col_mask, out_ptr, stride_om, res_ptr,
+              stride_rm, b_ptr, BIAS, ACT, RESIDUAL)  # fmt: skip

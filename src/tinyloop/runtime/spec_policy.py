@@ -9,10 +9,14 @@ from tinyloop.config import ArchConfig
 # deterministic, so a seeded run repeats exactly.
 STEP_OVERHEAD_LAYERS = 2.0
 EXTRA_TOKEN_COST = 0.15
-# On CUDA a single-token step is one replay of a fused graph while a verification pass of several tokens
-# is not (H200: seed-407m verification at 2/8 made speculation 2x slower than plain at 100 % acceptance,
-# docs/BENCHMARKS.md): count each further token as a full step there, so the policy decodes plain.
-EXTRA_TOKEN_COST_BY_DEVICE = {"cpu": EXTRA_TOKEN_COST, "cuda": 1.0}
+# On CUDA a one-token step runs the INT4 GEMV while a verification pass of 5-16 tokens runs the split-K
+# tensor-core kernel (two launches per matrix, about a quarter of the GEMV's bandwidth). Measured on an H200
+# at 2 / 8 with every draft accepted (docs/BENCHMARKS.md, session 5): each further token cost 0.41 of a step
+# for seed-407m (d_model 2048, bound by weight bytes) and 0.98 for the built-in tiny (d_model 384, bound
+# by launches), so CUDA models below CUDA_LARGE_D_MODEL count a full step and decode plain.
+EXTRA_TOKEN_COST_BY_DEVICE = {"cpu": EXTRA_TOKEN_COST, "cuda": 0.45}
+CUDA_SMALL_MODEL_EXTRA_TOKEN_COST = 1.0
+CUDA_LARGE_D_MODEL = 1024
 # Plain steps between probe rounds while speculation does not pay: a short first pause (one unlucky round
 # on a good workload costs little), then long ones that double up to the cap.
 BACKOFF_STEPS = (8, 64)
@@ -49,6 +53,8 @@ class DraftPolicy:
     ):
         self.cfg = cfg
         self.extra_token_cost = EXTRA_TOKEN_COST_BY_DEVICE.get(device_type, EXTRA_TOKEN_COST)
+        if device_type == "cuda" and cfg.d_model < CUDA_LARGE_D_MODEL:
+            self.extra_token_cost = CUDA_SMALL_MODEL_EXTRA_TOKEN_COST
         self.draft_loops = draft_loops
         self.verify_loops = verify_loops
         self.adaptive = adaptive
@@ -128,8 +134,8 @@ class DraftPolicy:
         return (k + 1) * draft + verify
 
     def can_pay(self) -> bool:
-        """Whether any draft length could beat plain decoding even if every draft were accepted (on CUDA,
-        where each further verified token costs a full step, none can)."""
+        """Whether any draft length could beat plain decoding even if every draft were accepted (not on CUDA
+        for small models, where each further verified token costs a full step)."""
         return any(self.round_cost(k) / (k + 1) < self.plain_cost() for k in range(1, self.k_max + 1))
 
     def expected_tokens(self, k: int) -> float:
