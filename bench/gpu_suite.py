@@ -641,6 +641,8 @@ def speculative_numbers(path: str, pairs: list[tuple[int, int]], new: int = 128)
             "identical_to_plain": bool(np.array_equal(np.asarray(spec.tokens), np.asarray(plain))),
             "acceptance_rate": getattr(spec, "acceptance_rate", None),
             "tokens_per_verify": getattr(spec, "tokens_per_verify", None),
+            "plain_steps": spec.stats.plain_steps,
+            "prompt_agreement": spec.stats.prompt_agreement,
             "plain_tokens_per_s": new / tp,
             "speculative_tokens_per_s": new / ts,
             "fixed_k4": {

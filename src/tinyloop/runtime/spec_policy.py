@@ -31,13 +31,16 @@ class DraftPolicy:
     Adaptive: the prefill measures how often the draft and verify depths agree over the prompt (prime);
     without that estimate the first round drafts one token (the cheapest probe). The draft length doubles
     after each fully accepted round up to `draft_ahead`, then grows by one up to 2 x draft_ahead, and
-    shrinks to one past the accepted count after a rejection. The per-token acceptance rate is tracked (decayed
-    counts); when a layer-pass cost model says that even the best draft length would cost more per token
-    than plain decoding, speculation pauses for plain steps (8, then 64, doubling up to 512 while it stays
-    unprofitable) and then probes again with a one-token draft. A probe that is accepted is followed by
-    a normal round; a round the cost model finds profitable resets the pauses to 8. On a workload whose
-    drafts are always rejected (and were on the prompt) decoding starts plain and probes once per pause:
-    after 64 tokens, 128 more, and so on.
+    shrinks to one past the accepted count after a rejection. The per-token acceptance rate is tracked
+    (decayed counts). A fully accepted round is followed by another (it produced k + 1 tokens for less than
+    k + 1 plain steps, see can_pay); after a rejection, when a layer-pass cost model says that even the best
+    draft length would cost more per token than plain decoding, speculation pauses for plain steps (8,
+    then 64, doubling up to 512 while it stays unprofitable) and then probes again with a one-token draft.
+    A round the cost model finds profitable resets the pauses to 8. A prompt on which speculation would
+    not pay starts with the short pause whatever its length: agreement over a prompt the model did not
+    write is a pessimistic estimate of agreement over its own greedy continuation (seed-407m: 0.59 over
+    a random prompt, 1.0 while decoding), so it earns an early probe. On a workload whose drafts are always rejected (and were on the
+    prompt) decoding starts plain and probes after 8 tokens, 64 more, 128 more, and so on.
 
     Not adaptive: always `draft_ahead` tokens.
     """
@@ -70,8 +73,8 @@ class DraftPolicy:
     def prime(self, agreement: float, positions: int) -> None:
         """Start from the draft/verify agreement measured over `positions` prompt positions (weighted as
         at most PRIOR_POSITIONS tokens, so live rounds soon outweigh it). Where speculation would not pay,
-        decoding starts plain (a pause of 8 steps after a short prompt, 64 after a longer one); where it
-        would, the first round drafts `draft_ahead` tokens instead of probing with one."""
+        decoding starts plain for 8 steps, then probes (a failed probe pauses for 64); where it would, the
+        first round drafts `draft_ahead` tokens instead of probing with one."""
         if not self.adaptive or positions <= 0:
             return
         n = min(float(positions), PRIOR_POSITIONS)
@@ -79,9 +82,8 @@ class DraftPolicy:
         if self.best_cost_per_token() <= self.plain_cost():
             self.k = self.draft_ahead
         else:
-            self._pauses = 1 if positions >= PRIOR_POSITIONS else 0
-            self._plain_left = self.backoff_steps(self._pauses)
-            self._pauses += 1
+            self._plain_left = self.backoff_steps(0)
+            self._pauses = 1
 
     def next_k(self, remaining: int) -> int:
         if remaining <= 1:
@@ -108,10 +110,10 @@ class DraftPolicy:
             self.k = min(2 * self.k, self.draft_ahead) if self.k < self.draft_ahead else min(self.k + 1, self.k_max)
         else:
             self.k = max(1, min(self.k - 1, accepted + 1))
-        probe, self.probing = self.probing, False
+        self.probing = False
         if self.best_cost_per_token() <= self.plain_cost():
             self._pauses = 0
-        elif not (probe and accepted == drafted):  # an accepted probe earns one normal round first
+        elif accepted < drafted:
             self._plain_left = self.backoff_steps(self._pauses)
             self._pauses += 1
 
