@@ -39,8 +39,9 @@ class DraftPolicy:
     A round the cost model finds profitable resets the pauses to 8. A prompt on which speculation would
     not pay starts with the short pause whatever its length: agreement over a prompt the model did not
     write is a pessimistic estimate of agreement over its own greedy continuation (seed-407m: 0.59 over
-    a random prompt, 1.0 while decoding), so it earns an early probe. On a workload whose drafts are always rejected (and were on the
-    prompt) decoding starts plain and probes after 8 tokens, 64 more, 128 more, and so on.
+    a random prompt, 1.0 while decoding), so it earns an early probe. On a workload whose drafts are
+    always rejected (and were on the prompt) decoding starts plain and probes after 8 tokens, 64 more,
+    128 more, and so on.
 
     Not adaptive: always `draft_ahead` tokens.
     """
