@@ -90,14 +90,24 @@ def test_fused_batched_multi_token_steps_match_generic() -> None:
     assert torch.equal(caches[0].lengths, caches[1].lengths)
 
 
-def test_fused_prefill_from_empty_cache_matches_generic() -> None:
-    cfg, _, fused, generic = build("interleaved-qkbias-add")
+@pytest.mark.parametrize("variant", ["interleaved-qkbias-add", "blocked:pre-concat-zeros-gqa"])
+def test_fused_prefill_from_empty_cache_matches_generic(variant: str) -> None:
+    """A prefill long enough for cuBLAS: the body's INT4 matrices are dequantized once for both loops
+    (the same logits as dequantizing before every use) and match the generic path."""
+    cfg, _, fused, generic = build(variant.removeprefix("blocked:"), variant.startswith("blocked:"))
     tokens = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(9))
     outs = []
     for eng in (fused, generic):
         cache = eng.new_cache(1, 24, 2)
         outs.append(eng.step(tokens, cache, 2).logits)
     assert max_rel_error(outs[0], outs[1]) <= 1e-4
+    decoder = fused.decoder
+    assert isinstance(decoder, FusedDecoder)
+    body = [m for lw in fused.weights.body for m in (lw.qkv, lw.out, lw.gate_up, lw.up, lw.down) if m is not None]
+    assert decoder.dense_body_bytes == sum(4 * m.shape[0] * m.shape[1] for m in body)  # float32 copies
+    decoder._reuse_dense_body = False
+    again = fused.step(tokens, fused.new_cache(1, 24, 2), 2).logits
+    assert torch.equal(again, outs[0])
 
 
 def test_fused_verification_step_resumes_like_generic() -> None:

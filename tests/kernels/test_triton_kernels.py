@@ -49,6 +49,8 @@ def test_fused_linear_matches_reference(dtype: torch.dtype, rows: int, int4: boo
         (dict(norm_weight=norm, eps=1e-6), dict(norm=norm)),
         (dict(bias=bias, residual=residual), dict(bias=bias, residual=residual)),
         (dict(act=ops.ACT_GELU, norm_weight=norm, eps=1e-6), dict(act=ops.ACT_GELU, norm=norm)),
+        (dict(residual=residual), dict(residual=residual)),  # many rows: the sum inside the GEMM
+        (dict(bias=bias), dict(bias=bias)),
     ]
     for kwargs, ref_kwargs in cases:
         w = weight if ref_kwargs.get("act") == ops.ACT_SWIGLU else _rows(weight, N)
@@ -92,6 +94,8 @@ def test_blocked_int4_gemv_matches_reference(dtype: torch.dtype, rows: int, grou
         (dict(act=ops.ACT_SWIGLU, norm_weight=norm, eps=1e-6), dict(act=ops.ACT_SWIGLU, norm=norm)),
         (dict(bias=bias, residual=residual), dict(bias=bias, residual=residual)),
         (dict(act=ops.ACT_GELU, norm_weight=norm, eps=1e-6), dict(act=ops.ACT_GELU, norm=norm)),
+        (dict(residual=residual), dict(residual=residual)),  # many rows: the sum inside the GEMM
+        (dict(bias=bias), dict(bias=bias)),
     ]
     for kwargs, ref_kwargs in cases:
         swiglu = ref_kwargs.get("act") == ops.ACT_SWIGLU
@@ -138,8 +142,9 @@ def test_rms_norm_modes(mode: int) -> None:
 
 
 @pytest.mark.parametrize("pairing", ["half", "interleaved"])
-def test_rope_store_and_cached_attention(pairing: str) -> None:
-    B, T, H, KVH, hd, S = 2, 3, 4, 2, 16, 40
+@pytest.mark.parametrize("T", [3, 19])  # one partial block of rows; blocks of ops.ROPE_BLOCK_ROWS and a partial one
+def test_rope_store_and_cached_attention(pairing: str, T: int) -> None:
+    B, H, KVH, hd, S = 2, 4, 2, 16, 40
     gen = torch.Generator().manual_seed(3)
     cfg = ArchConfig(
         vocab_size=64, d_model=64, n_heads=H, n_kv_heads=KVH, head_dim=hd, ffn_dim=64,

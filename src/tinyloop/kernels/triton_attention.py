@@ -49,6 +49,7 @@ def _rope_store_kernel(
     pos_ptr,
     cos_ptr,
     sin_ptr,
+    rows,
     T,
     stride_qkv,
     stride_cb,
@@ -58,37 +59,44 @@ def _rope_store_kernel(
     N_KV: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
+    BLOCK_R: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """Program (i, h): h < N_HEADS ropes query head h into q_out [rows, H, hd]; the next N_KV programs
-    rope key heads into the cache, the last N_KV copy value heads into it."""
+    """Program (r, h) takes rows r * BLOCK_R onwards: h < N_HEADS ropes query head h into q_out
+    [rows, H, hd]; the next N_KV programs rope key heads into the cache, the last N_KV copy value heads
+    into it. Blocks of rows rather than one row per program: a long prefill otherwise launches tens of
+    thousands of one-warp programs, each waiting on its own chain of dependent loads (H200, 1,024 tokens
+    of seed-407m: 60 us per layer with one row per program)."""
     _wait_for_previous_kernel(PDL)
-    i = tl.program_id(0)
     h = tl.program_id(1)
+    i = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = i < rows
     b = i // T
-    pos = tl.load(pos_ptr + i)
+    pos = tl.load(pos_ptr + i, mask=live, other=0)
     half, idx1, idx2 = _rope_pairs(HEAD_DIM, INTERLEAVED)
-    row = qkv_ptr + i * stride_qkv
+    row = qkv_ptr + i[:, None] * stride_qkv
+    mask = live[:, None]
     if h < N_HEADS + N_KV:
         base = row + h * HEAD_DIM  # q heads then k heads are contiguous in qkv
-        x1 = tl.load(base + idx1).to(tl.float32)
-        x2 = tl.load(base + idx2).to(tl.float32)
-        c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + half)
-        s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + half)
+        x1 = tl.load(base + idx1[None, :], mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(base + idx2[None, :], mask=mask, other=0.0).to(tl.float32)
+        freq = pos[:, None] * (HEAD_DIM // 2) + half[None, :]
+        c = tl.load(cos_ptr + freq, mask=mask, other=0.0)
+        s = tl.load(sin_ptr + freq, mask=mask, other=0.0)
         y1, y2 = _rotate(x1, x2, c, s)
         if h < N_HEADS:
-            dst = q_out_ptr + (i * N_HEADS + h) * HEAD_DIM
+            dst = q_out_ptr + (i[:, None] * N_HEADS + h) * HEAD_DIM
         else:
-            dst = k_cache_ptr + b * stride_cb + (h - N_HEADS) * stride_ch + pos * stride_cs
+            dst = k_cache_ptr + b[:, None] * stride_cb + (h - N_HEADS) * stride_ch + pos[:, None] * stride_cs
         dt = dst.dtype.element_ty
-        tl.store(dst + idx1, y1.to(dt))
-        tl.store(dst + idx2, y2.to(dt))
+        tl.store(dst + idx1[None, :], y1.to(dt), mask=mask)
+        tl.store(dst + idx2[None, :], y2.to(dt), mask=mask)
     else:
         kv = h - N_HEADS - N_KV
-        offs = tl.arange(0, HEAD_DIM)
-        v = tl.load(row + (N_HEADS + N_KV + kv) * HEAD_DIM + offs)
-        dst = v_cache_ptr + b * stride_cb + kv * stride_ch + pos * stride_cs
-        tl.store(dst + offs, v.to(dst.dtype.element_ty))
+        offs = tl.arange(0, HEAD_DIM)[None, :]
+        v = tl.load(row + (N_HEADS + N_KV + kv) * HEAD_DIM + offs, mask=mask)
+        dst = v_cache_ptr + b[:, None] * stride_cb + kv * stride_ch + pos[:, None] * stride_cs
+        tl.store(dst + offs, v.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -137,6 +145,19 @@ def _cached_attention_kernel(
 
 
 @triton.jit
+def _cached_block(k_cache, v_cache, s0, end, stride_cs, idx1, idx2, offs_d, BLOCK_S: tl.constexpr):
+    """Cached keys (as the two halves of each rotated pair, float32) and values at positions s0 .. s0 +
+    BLOCK_S - 1 below `end`, and that mask."""
+    offs_s = s0 + tl.arange(0, BLOCK_S)
+    s_mask = offs_s < end
+    kp = k_cache + offs_s[:, None] * stride_cs
+    ka = tl.load(kp + idx1[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
+    kb = tl.load(kp + idx2[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
+    v = tl.load(v_cache + offs_s[:, None] * stride_cs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    return ka, kb, v, s_mask
+
+
+@triton.jit
 def _rope_attention_kernel(
     qkv_ptr,
     k_cache_ptr,
@@ -160,13 +181,19 @@ def _rope_attention_kernel(
     """One-token steps in one launch: program (b, h) ropes query head h and its kv head's new key, attends
     to cache positions 0..pos-1 plus the new key/value held in registers, and (first query head of each kv
     group) writes the new key/value into the cache. No program reads cache position pos, so the write
-    needs no ordering against the other programs."""
-    _wait_for_previous_kernel(PDL)
+    needs no ordering against the other programs. The first block of cached keys and values is loaded
+    before the wait on the previous kernel (the qkv matmul): those positions were written by earlier
+    steps, and the positions by the host before the step, so the loads overlap the matmul's tail."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // (N_HEADS // N_KV)
     pos = tl.load(pos_ptr + b)
     half, idx1, idx2 = _rope_pairs(HEAD_DIM, INTERLEAVED)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_cache = k_cache_ptr + b * stride_cb + kvh * stride_ch
+    v_cache = v_cache_ptr + b * stride_cb + kvh * stride_ch
+    ka, kb, v, s_mask = _cached_block(k_cache, v_cache, 0, pos, stride_cs, idx1, idx2, offs_d, BLOCK_S)
+    _wait_for_previous_kernel(PDL)
     row = qkv_ptr + b * stride_qkv
     c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + half)
     s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + half)
@@ -176,7 +203,6 @@ def _rope_attention_kernel(
     k_base = row + (N_HEADS + kvh) * HEAD_DIM
     k1 = tl.load(k_base + idx1).to(tl.float32)
     k2 = tl.load(k_base + idx2).to(tl.float32)
-    offs_d = tl.arange(0, HEAD_DIM)
     v_new = tl.load(row + (N_HEADS + N_KV + kvh) * HEAD_DIM + offs_d)
     # Rounded to the cache dtype like the two-kernel path (rope_store then attention over the cache).
     dt = k_cache_ptr.dtype.element_ty
@@ -185,8 +211,6 @@ def _rope_attention_kernel(
     qr1, qr2 = _rotate(q1, q2, c, s)
     qr1 = qr1.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
     qr2 = qr2.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
-    k_cache = k_cache_ptr + b * stride_cb + kvh * stride_ch
-    v_cache = v_cache_ptr + b * stride_cb + kvh * stride_ch
     if h % (N_HEADS // N_KV) == 0:
         tl.store(k_cache + pos * stride_cs + idx1, kr1)
         tl.store(k_cache + pos * stride_cs + idx2, kr2)
@@ -194,15 +218,11 @@ def _rope_attention_kernel(
     m_i = tl.sum(kr1.to(tl.float32) * qr1, axis=0) + tl.sum(kr2.to(tl.float32) * qr2, axis=0)
     l_i = tl.full((), 1.0, tl.float32)
     acc = v_new.to(dt).to(tl.float32)
-    for s0 in range(0, pos, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        s_mask = offs_s < pos
-        kp = k_cache + offs_s[:, None] * stride_cs
-        ka = tl.load(kp + idx1[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
-        kb = tl.load(kp + idx2[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
-        v = tl.load(v_cache + offs_s[:, None] * stride_cs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    scores = tl.sum(ka * qr1[None, :], axis=1) + tl.sum(kb * qr2[None, :], axis=1)
+    m_i, l_i, acc = _softmax_block(tl.where(s_mask, scores, float("-inf")), v, m_i, l_i, acc)
+    for s0 in range(BLOCK_S, pos, BLOCK_S):
+        ka, kb, v, s_mask = _cached_block(k_cache, v_cache, s0, pos, stride_cs, idx1, idx2, offs_d, BLOCK_S)
         scores = tl.sum(ka * qr1[None, :], axis=1) + tl.sum(kb * qr2[None, :], axis=1)
-        scores = tl.where(s_mask, scores, float("-inf"))
-        m_i, l_i, acc = _softmax_block(scores, v, m_i, l_i, acc)
+        m_i, l_i, acc = _softmax_block(tl.where(s_mask, scores, float("-inf")), v, m_i, l_i, acc)
     out = acc / l_i
     tl.store(out_ptr + (b * N_HEADS + h) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
