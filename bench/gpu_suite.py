@@ -193,7 +193,9 @@ SEED_SHAPES = {  # name: (N, K, act); swiglu reads 2N rows
     "qkv": (6144, 2048, 0), "out": (2048, 2048, 0), "gate_up": (5632, 2048, 1), "down": (2048, 5632, 0),
     "head": (32000, 2048, 0),
 }  # fmt: skip
-GEMV_CANDIDATES = [(4, 16, 4), (4, 8, 2), (2, 16, 2), (8, 16, 4), (2, 8, 1), (8, 8, 4)]  # (BLOCK_N, BLOCK_B, warps)
+# (BLOCK_N, BLOCK_B, warps); BLOCK_B 32-64: a whole 2048-column row slice in one tile, all fetched before the PDL wait
+GEMV_CANDIDATES = [(4, 16, 4), (4, 8, 2), (2, 16, 2), (8, 16, 4), (2, 8, 1), (8, 8, 4),
+                   (4, 32, 4), (4, 32, 8), (2, 32, 2), (2, 32, 4), (8, 32, 8), (16, 32, 8), (4, 64, 8)]  # fmt: skip
 
 
 def random_int4_copies(n_rows: int, k: int, gen: torch.Generator, group: int = 64) -> list[BlockedInt4Weight]:
@@ -311,6 +313,54 @@ def sweep_section() -> dict[str, Any]:
         f"qkv rows={rows}": time_cycling(torch.randn(rows, k, device="cuda", dtype=torch.bfloat16), ws, 0)
         for rows in (1, 4)
     }
+    return res
+
+
+CHAIN_CANDIDATES = [(4, 16, 4), (8, 8, 4), (4, 32, 8), (2, 32, 4), (4, 8, 2), (2, 16, 2), (8, 16, 4), (4, 32, 4)]
+
+
+def chain_tiles_section() -> dict[str, Any]:
+    """One-row GEMV tiles chosen in the model's own kernel chain: seed-407m decode (loops 8, 64 raw steps
+    after a 64-token prompt) per tile of each matrix, coordinate descent from the built-in tiles. Tiles
+    that tie in isolation (the sweep: one shape back to back) can differ by whole microseconds here, where
+    each GEMV follows a different kernel. The winners apply to later sections."""
+    wait_for_models(SEED_PATH)
+    m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
+    eng, loops, prompt_len = m._engine, 8, 64
+    cache = eng.new_cache(1, 200, loops)
+    prompt = torch.as_tensor(np.random.default_rng(4).integers(0, 32000, (1, prompt_len)), dtype=torch.long)
+    eng.step(prompt, cache, loops, last_only=True)
+    tok = torch.tensor([[5]])
+
+    def decode_ms() -> float:
+        eng.decoder._graphs.clear()  # tiles are read when a graph is captured
+        eng.decoder._seen.clear()
+
+        def raw() -> None:
+            cache.truncate(prompt_len)
+            for _ in range(64):
+                eng.step(tok, cache, loops, last_only=True)
+
+        raw()
+        return 1e3 * statistics.median(timed(raw, 5))
+
+    cuda_ops.BLOCKED_CONFIGS.clear()
+    res: dict[str, Any] = {"built_in_ms": decode_ms(), "by_matrix": {}}
+    for name in ("gate_up", "down", "qkv", "out", "head"):
+        n, k, _ = SEED_SHAPES[name]
+        key = (n, k, 1)
+        table = {}
+        for cand in CHAIN_CANDIDATES:
+            cuda_ops.BLOCKED_CONFIGS[key] = cand
+            table[str(cand)] = decode_ms()
+        win = min(table, key=lambda c: table[c])
+        cuda_ops.BLOCKED_CONFIGS[key] = tuple(int(v) for v in win.strip("()").split(","))  # type: ignore[assignment]
+        res["by_matrix"][name] = {"best": win, "ms": table}
+        print("chain", name, win, {c: round(v, 2) for c, v in table.items()}, flush=True)
+    res["chosen_ms"] = decode_ms()
+    res["chosen"] = {str(k): v for k, v in cuda_ops.BLOCKED_CONFIGS.items()}
+    m.close()
+    torch.cuda.empty_cache()
     return res
 
 
@@ -715,6 +765,7 @@ SECTIONS = {
     "cli": cli_section,
     "stochastic": stochastic_section,
     "speculative": speculative_section,
+    "chain_tiles": chain_tiles_section,
 }
 
 

@@ -94,7 +94,7 @@ def test_blocked_int4_gemv_matches_reference(dtype: torch.dtype, rows: int, grou
         (dict(act=ops.ACT_SWIGLU, norm_weight=norm, eps=1e-6), dict(act=ops.ACT_SWIGLU, norm=norm)),
         (dict(bias=bias, residual=residual), dict(bias=bias, residual=residual)),
         (dict(act=ops.ACT_GELU, norm_weight=norm, eps=1e-6), dict(act=ops.ACT_GELU, norm=norm)),
-        (dict(residual=residual), dict(residual=residual)),  # many rows: the sum inside the GEMM
+        (dict(residual=residual), dict(residual=residual)),
         (dict(bias=bias), dict(bias=bias)),
     ]
     for kwargs, ref_kwargs in cases:
@@ -103,6 +103,24 @@ def test_blocked_int4_gemv_matches_reference(dtype: torch.dtype, rows: int, grou
         ref = reference(x.double(), dense if swiglu else dense[:N], **ref_kwargs)
         assert got.dtype == dtype
         assert frob_rel_error(got, ref) <= tol, kwargs
+
+
+@pytest.mark.parametrize("tile", sorted({*ops.BLOCKED_TILES.values(), (4, 16, 4), (8, 8, 4), (4, 32, 8)}))
+def test_blocked_int4_gemv_tiles(tile: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every built-in one-row tile (BLOCK_N, blocks per tile, warps) on a shape that leaves partial tiles of
+    blocks (K = 5 blocks) and of features (N = 37), with the norm, SwiGLU and residual fused."""
+    gen = torch.Generator().manual_seed(sum(tile))
+    K, N = 320, 37
+    plain = quantize_int4(torch.randn(2 * N, K, generator=gen) / K**0.5, 64)
+    blocked, dense = BlockedInt4Weight.from_int4(plain), plain.dequantize(torch.float64)
+    x = 3 * torch.randn(1, K, generator=gen)
+    norm = 1 + 0.1 * torch.randn(K, generator=gen)
+    residual = torch.randn(1, N, generator=gen)
+    monkeypatch.setitem(ops.BLOCKED_CONFIGS, (N, K, 1), tile)
+    got = ops.fused_linear(x, blocked, act=ops.ACT_SWIGLU, norm_weight=norm, eps=1e-6)
+    assert frob_rel_error(got, reference(x.double(), dense, act=ops.ACT_SWIGLU, norm=norm)) <= 1e-5
+    got = ops.fused_linear(x, _rows(blocked, N), residual=residual)
+    assert frob_rel_error(got, reference(x.double(), dense[:N], residual=residual)) <= 1e-5
 
 
 def test_blocked_int4_prefill_paths_match_plain(monkeypatch: pytest.MonkeyPatch) -> None:

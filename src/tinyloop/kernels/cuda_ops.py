@@ -55,6 +55,15 @@ ATTENTION_WARPS = 8
 MATVEC_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 # The same for the blocked-layout INT4 GEMV: (N, K, rows) -> (BLOCK_N, blocks per tile, num_warps).
 BLOCKED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+# One-row (decode) tiles of the blocked GEMV for d_model 2048 / ffn 5632 matrices (seed-407m, Ouro-1.4B),
+# (N, K) -> tile, chosen in the model's own kernel chain (bench/gpu_suite.py chain_tiles, H200): alone, one
+# shape timed back to back, these tie with the default tile, but within a decode step, where each GEMV
+# follows a different kernel, they took seed-407m's 64 tokens at 8 loops from 102.3 to 90.7 ms.
+BLOCKED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
+    (6144, 2048): (4, 8, 2),  # qkv
+    (5632, 2048): (2, 32, 4),  # gate / up (SwiGLU: 2 weight rows per output feature)
+    (2048, 5632): (4, 32, 8),  # down
+}
 # The same for the blocked INT4 split-K kernel: (N, K, rows) -> (BLOCK_N, BLOCK_M, BLOCK_K, num_warps).
 GEMM_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every tensor-core launch, or None: heuristic.
@@ -89,9 +98,13 @@ def _matvec_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, int
 def _blocked_config(n: int, k: int, rows: int) -> tuple[int, int, int]:
     if (n, k, rows) in BLOCKED_CONFIGS:
         return BLOCKED_CONFIGS[(n, k, rows)]
-    # Winners of bench/gpu_suite.py's sweep on an H200 (seed-407m shapes; docs/BENCHMARKS.md).
+    if rows == 1 and (n, k) in BLOCKED_TILES:
+        return BLOCKED_TILES[(n, k)]
+    # Winners of bench/gpu_suite.py's sweeps on an H200 (seed-407m shapes; docs/BENCHMARKS.md).
     if rows == 1:
-        return (8, 8, 4) if n >= 16384 else (4, 16, 4)  # (8, 8, 4): the vocabulary head
+        if n >= 16384:
+            return 8, 8, 4  # the vocabulary head
+        return (4, 32, 8) if k >= 4096 else (4, 16, 4)
     return (2, 8, 1) if n >= 4096 else (8, 16, 4)
 
 
