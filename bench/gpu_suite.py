@@ -323,7 +323,8 @@ def chain_tiles_section() -> dict[str, Any]:
     """One-row GEMV tiles chosen in the model's own kernel chain: seed-407m decode (loops 8, 64 raw steps
     after a 64-token prompt) per tile of each matrix, coordinate descent from the built-in tiles. Tiles
     that tie in isolation (the sweep: one shape back to back) can differ by whole microseconds here, where
-    each GEMV follows a different kernel. The winners apply to later sections."""
+    each GEMV follows a different kernel. Then the one-token attention's (keys per block, warps). The
+    winners apply to later sections."""
     wait_for_models(SEED_PATH)
     m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
     eng, loops, prompt_len = m._engine, 8, 64
@@ -332,9 +333,14 @@ def chain_tiles_section() -> dict[str, Any]:
     eng.step(prompt, cache, loops, last_only=True)
     tok = torch.tensor([[5]])
 
+    from tinyloop.runtime.fused_decode import FusedDecoder
+
+    decoder = eng.decoder
+    assert isinstance(decoder, FusedDecoder)
+
     def decode_ms() -> float:
-        eng.decoder._graphs.clear()  # tiles are read when a graph is captured
-        eng.decoder._seen.clear()
+        decoder._graphs.clear()  # tiles are read when a graph is captured
+        decoder._seen.clear()
 
         def raw() -> None:
             cache.truncate(prompt_len)
@@ -357,6 +363,14 @@ def chain_tiles_section() -> dict[str, Any]:
         cuda_ops.BLOCKED_CONFIGS[key] = tuple(int(v) for v in win.strip("()").split(","))  # type: ignore[assignment]
         res["by_matrix"][name] = {"best": win, "ms": table}
         print("chain", name, win, {c: round(v, 2) for c, v in table.items()}, flush=True)
+    table = {}
+    for block, warps in ((256, 8), (128, 8), (128, 4), (64, 4), (256, 4)):  # one-token attention, 64-192 keys
+        cuda_ops.ATTENTION_BLOCK, cuda_ops.ATTENTION_WARPS = block, warps
+        table[f"({block}, {warps})"] = decode_ms()
+    win = min(table, key=lambda c: table[c])
+    cuda_ops.ATTENTION_BLOCK, cuda_ops.ATTENTION_WARPS = (int(v) for v in win.strip("()").split(","))
+    res["attention"] = {"best": win, "ms": table}
+    print("chain attention", win, {c: round(v, 2) for c, v in table.items()}, flush=True)
     res["chosen_ms"] = decode_ms()
     res["chosen"] = {str(k): v for k, v in cuda_ops.BLOCKED_CONFIGS.items()}
     m.close()

@@ -81,6 +81,9 @@ class FusedDecoder:
         # Sandwich placements: x + norm(sublayer) (rms_norm mode 1) or norm(sublayer + x) (mode 2).
         self._post_mode = 1 if self.cfg.norm_placement == "sandwich_out" else 2
         self._supported = self._kernels_cover()
+        w = self.engine.weights
+        self._gate_weight = None if w.exit_gate_weight is None else w.exit_gate_weight.float().reshape(1, -1)
+        self._gate_bias = None if w.exit_gate_bias is None else w.exit_gate_bias.float().reshape(1)
         body = self.engine.weights.body
         self._body_matrices = [m for lw in body for m in (lw.qkv, lw.out, lw.gate_up, lw.up, lw.down) if m is not None]
         int4_numel = sum(m.shape[0] * m.shape[1] for m in self._body_matrices if isinstance(m, Int4Weight))
@@ -272,7 +275,7 @@ class FusedDecoder:
                 h = ops.rms_norm(h, w.final_norm.weight, cfg.norm_eps)
             s = h
             if w.exit_gate_weight is not None:
-                gates.append(gate_logit(w, s).view(B, T))
+                gates.append(self._gate_logit(s).view(B, T))
         x = s
         if cfg.loop_norm == "after_loop":
             assert w.final_norm is not None
@@ -296,6 +299,13 @@ class FusedDecoder:
             loop_state=s.view(B, T, -1),
             prelude_out=p.view(B, T, -1),
         )
+
+    def _gate_logit(self, s: torch.Tensor) -> torch.Tensor:
+        """The exit gate's logit per row in float32: for decode-sized steps one matvec launch in the PDL
+        chain (instead of four torch launches that each break it), else as model/looped.py computes it."""
+        if s.shape[0] > ops.MATVEC_MAX_ROWS or self._gate_weight is None:
+            return gate_logit(self.engine.weights, s)
+        return ops.fused_linear(s, self._gate_weight, bias=self._gate_bias, out_dtype=torch.float32).squeeze(-1)
 
     def _layer(
         self, x: torch.Tensor, lw: LayerWeights, cache: KVCache, slot: int, positions: torch.Tensor, T: int
