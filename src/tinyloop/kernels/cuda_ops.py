@@ -76,8 +76,14 @@ MATMUL_CONFIG: tuple[int, int, int, int, int] | None = None
 USE_PDL = False
 
 
-def _pdl() -> dict[str, bool]:
-    return {"PDL": True, "launch_pdl": True} if USE_PDL else {"PDL": False}
+# With it, each kernel lets the next one launch before its own wait (triton_pdl: PDL = 2).
+PDL_EARLY_LAUNCH = False
+
+
+def _pdl() -> dict[str, int | bool]:
+    if not USE_PDL:
+        return {"PDL": 0}
+    return {"PDL": 2 if PDL_EARLY_LAUNCH else 1, "launch_pdl": True}
 
 
 # TINYLOOP_DISABLE_CUBLAS_FP16=1 clears this (kernels/cuda_backend.py): 16-bit weights then go through
