@@ -46,23 +46,29 @@ SPLITK_PROGRAMS = 264
 ROPE_BLOCK_ROWS = 16
 
 # Cached attention: keys per iteration and warps per (row, head) program. Few programs run (one per
-# head), so each takes big bites of the cache to keep enough loads in flight (H200, seed-407m decode with
-# PDL: 12.5 us per layer at 256 keys / 8 warps, 13.4 at 128 / 4, 13.9 at 128 / 8, 17.9 at 32 / 4).
-ATTENTION_BLOCK = 256
-ATTENTION_WARPS = 8
+# head), so each takes big bites of the cache to keep enough loads in flight. Session 3 (H200, seed-407m
+# decode with PDL): 12.5 us per layer at 256 keys / 8 warps, 13.4 at 128 / 4, 17.9 at 32 / 4; since the
+# one-token kernel loads its first block before the PDL wait, 128 / 4 wins in the decode chain (64 tokens
+# at 8 loops: 83.4 ms against 85.3 at 256 / 8 and 111.3 at 256 / 4, chain_tiles section).
+ATTENTION_BLOCK = 128
+ATTENTION_WARPS = 4
 
 # (N, K, rows) -> (BLOCK_N, BLOCK_K, num_warps); filled by benchmark sweeps to override the heuristic.
 MATVEC_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 # The same for the blocked-layout INT4 GEMV: (N, K, rows) -> (BLOCK_N, blocks per tile, num_warps).
 BLOCKED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 # One-row (decode) tiles of the blocked GEMV for d_model 2048 / ffn 5632 matrices (seed-407m, Ouro-1.4B),
-# (N, K) -> tile, chosen in the model's own kernel chain (bench/gpu_suite.py chain_tiles, H200): alone, one
-# shape timed back to back, these tie with the default tile, but within a decode step, where each GEMV
-# follows a different kernel, they took seed-407m's 64 tokens at 8 loops from 102.3 to 90.7 ms.
+# (N, K) -> tile, chosen in the model's own kernel chain (bench/gpu_suite.py chain_tiles, H200,
+# bench/results/h200_session6_final.json): alone, one shape timed back to back, most tiles tie within a few
+# percent, but within a decode step, where each GEMV follows a different kernel, the best tile of one matrix
+# depends on its neighbours' and the set below took seed-407m's 64 tokens at 8 loops from 102.3 ms (the
+# session-5 tiles) to 83.2 ms together with the attention tile below.
 BLOCKED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
-    (6144, 2048): (4, 8, 2),  # qkv
-    (5632, 2048): (2, 32, 4),  # gate / up (SwiGLU: 2 weight rows per output feature)
+    (6144, 2048): (8, 8, 4),  # qkv
+    (2048, 2048): (2, 32, 4),  # attention output
+    (5632, 2048): (8, 8, 4),  # gate / up (SwiGLU: 2 weight rows per output feature)
     (2048, 5632): (4, 32, 8),  # down
+    (32000, 2048): (4, 8, 2),  # head
 }
 # The same for the blocked INT4 split-K kernel: (N, K, rows) -> (BLOCK_N, BLOCK_M, BLOCK_K, num_warps).
 GEMM_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
@@ -76,7 +82,9 @@ MATMUL_CONFIG: tuple[int, int, int, int, int] | None = None
 USE_PDL = False
 
 
-# With it, each kernel lets the next one launch before its own wait (triton_pdl: PDL = 2).
+# With it, each kernel lets the next one launch before its own wait (triton_pdl: PDL = 2). Off: on the
+# H200 it decoded the same tokens 1.2 % faster (176.0 vs 178.2 ms for 128 tokens, within run-to-run noise),
+# not enough to give up the simpler ordering.
 PDL_EARLY_LAUNCH = False
 
 
