@@ -217,3 +217,19 @@ def test_one_token_rope_attention_equals_two_kernels(pairing: str) -> None:
     ref = ops.cached_attention(q, k2, v2, pos, 1)
     assert torch.allclose(k_cache, k2, atol=1e-6) and torch.equal(v_cache, v2)
     assert frob_rel_error(out, ref.double()) <= 1e-6
+
+
+def test_dense_weights_reused_dequantizes_kept_weights_once_per_scope() -> None:
+    gen = torch.Generator().manual_seed(8)
+    kept, other = (quantize_int4(torch.randn(24, 128, generator=gen), 64) for _ in range(2))
+    outside = ops._dense_weight(kept, torch.float32)
+    assert torch.equal(outside, kept.dequantize()) and ops._dense_weight(kept, torch.float32) is not outside
+    with ops.dense_weights_reused([kept]) as scope:
+        first = ops._dense_weight(kept, torch.float32)
+        assert ops._dense_weight(kept, torch.float32) is first and torch.equal(first, outside)
+        assert ops._dense_weight(other, torch.float32) is not ops._dense_weight(other, torch.float32)
+        with ops.dense_weights_reused([]):  # an inner scope that keeps nothing
+            assert ops._dense_weight(kept, torch.float32) is not first
+        assert ops._dense_weight(kept, torch.float32) is first  # the outer scope is back
+        assert scope.nbytes == first.nbytes
+    assert ops._dense_weight(kept, torch.float32) is not first

@@ -6,6 +6,7 @@ which is how the CPU test suite checks the kernels).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -271,20 +272,21 @@ class DenseReuse:
         return sum(d.nbytes for _, d in self.dense.values())
 
 
-_DENSE_REUSE: DenseReuse | None = None
+_DENSE_REUSE = threading.local()  # .scope: the calling thread's innermost DenseReuse, if any
 
 
 @contextmanager
 def dense_weights_reused(weights: Iterable[Weight]) -> Iterator[DenseReuse]:
-    """Within the scope, a many-row (cuBLAS) matmul dequantizes each of `weights` once and reuses the
-    copy: a prefill through a looped body otherwise dequantizes every body matrix once per loop (H200,
-    seed-407m, 128 tokens at 8 loops: 1.5 of 4.4 ms of kernel time). The copies are freed when it ends."""
-    global _DENSE_REUSE
-    outer, _DENSE_REUSE = _DENSE_REUSE, DenseReuse(weights)
+    """Within the scope (per thread), a many-row (cuBLAS) matmul dequantizes each of `weights` once and
+    reuses the copy: a prefill through a looped body otherwise dequantizes every body matrix once per loop
+    (H200, seed-407m, 128 tokens at 8 loops: 1.5 of 4.4 ms of kernel time). The copies are freed when it
+    ends."""
+    outer = getattr(_DENSE_REUSE, "scope", None)
+    scope = _DENSE_REUSE.scope = DenseReuse(weights)
     try:
-        yield _DENSE_REUSE
+        yield scope
     finally:
-        _DENSE_REUSE = outer
+        _DENSE_REUSE.scope = outer
 
 
 def _dense_weight(w: Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -293,7 +295,7 @@ def _dense_weight(w: Weight, dtype: torch.dtype) -> torch.Tensor:
         return w.to(dtype)
     if not isinstance(w, Int4Weight):
         raise TypeError(f"the CUDA kernels take INT4 or 16-bit weights, got {type(w).__name__}")
-    scope = _DENSE_REUSE
+    scope: DenseReuse | None = getattr(_DENSE_REUSE, "scope", None)
     if scope is None or id(w) not in scope.keep:
         return dequantize_int4(w, dtype)
     hit = scope.dense.get(id(w))
