@@ -103,7 +103,7 @@ def test_fused_prefill_from_empty_cache_matches_generic(variant: str) -> None:
     assert max_rel_error(outs[0], outs[1]) <= 1e-4
     decoder = fused.decoder
     assert isinstance(decoder, FusedDecoder)
-    body = [m for lw in fused.weights.body for m in (lw.qkv, lw.out, lw.gate_up, lw.up, lw.down) if m is not None]
+    body = [m for lw in fused.weights.body for m in lw.matrices()]
     assert decoder.dense_body_bytes == sum(4 * m.shape[0] * m.shape[1] for m in body)  # float32 copies
     decoder._reuse_dense_body = False
     again = fused.step(tokens, fused.new_cache(1, 24, 2), 2).logits

@@ -32,6 +32,10 @@ class LayerWeights:
     up: Weight | None  # GELU
     down: Weight
 
+    def matrices(self) -> tuple[Weight, ...]:
+        """The layer's matrices that are present: qkv, out, gate_up or up, down."""
+        return tuple(m for m in (self.qkv, self.out, self.gate_up, self.up, self.down) if m is not None)
+
 
 @dataclass(frozen=True)
 class ModelWeights:

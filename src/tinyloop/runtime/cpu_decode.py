@@ -36,7 +36,7 @@ def supports(cfg: ArchConfig, weights: ModelWeights, device: torch.device, dtype
     if device.type != "cpu" or dtype != torch.float32:
         return False
     layers = (*weights.prelude, *weights.body, *weights.coda)
-    mats = [m for lw in layers for m in (lw.qkv, lw.out, lw.gate_up, lw.up, lw.down) if m is not None]
+    mats = [m for lw in layers for m in lw.matrices()]
     mats += [m for m in (weights.embed, weights.head, weights.adapter) if m is not None]
     return all(isinstance(m, torch.Tensor) and m.dtype == torch.float32 for m in mats)
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +87,7 @@ class FusedDecoder:
         self._gate_weight = None if w.exit_gate_weight is None else w.exit_gate_weight.float().reshape(1, -1)
         self._gate_bias = None if w.exit_gate_bias is None else w.exit_gate_bias.float().reshape(1)
         body = self.engine.weights.body
-        self._body_matrices = [m for lw in body for m in (lw.qkv, lw.out, lw.gate_up, lw.up, lw.down) if m is not None]
+        self._body_matrices = [m for lw in body for m in lw.matrices()]
         int4_numel = sum(m.shape[0] * m.shape[1] for m in self._body_matrices if isinstance(m, Int4Weight))
         budget = DENSE_BODY_MAX_FRACTION * _device_memory_bytes(engine.device)
         self._reuse_dense_body = 0 < 2 * int4_numel <= budget
@@ -115,7 +117,7 @@ class FusedDecoder:
         w = self.engine.weights
         mats: list[object] = [w.head, w.adapter] if w.adapter is not None else [w.head]
         for lw in self._all_layers():
-            mats += [lw.qkv, lw.out, lw.gate_up if lw.gate_up is not None else lw.up, lw.down]
+            mats += lw.matrices()
         plain = all(isinstance(m, (Int4Weight, torch.Tensor)) and not has_cross_iter_weight(m) for m in mats)
         return self.cfg.norm_kind == "rmsnorm" and plain
 
@@ -214,6 +216,20 @@ class FusedDecoder:
         return _Graph(graph, static_tokens, static_positions, output, static_resume, nbytes)
 
     # ---- the fused forward -------------------------------------------------------------------
+    @contextmanager
+    def _dense_body_scope(self, rows: int, loops_run: int) -> Iterator[None]:
+        """Around a step whose matmuls go to cuBLAS (a prefill) and that runs the body more than once: the
+        body's INT4 matrices dequantized once for all loops, where their 16-bit copies fit the budget."""
+        cublas_step = ops.USE_CUBLAS_16BIT and rows > ops.BLOCKED_GEMM_MAX_ROWS
+        if not (self._reuse_dense_body and cublas_step and loops_run > 1):
+            yield
+            return
+        with ops.dense_weights_reused(self._body_matrices) as reuse:
+            yield
+            if reuse.nbytes > self.dense_body_bytes:
+                detail(f"prefill: body dequantized once for all loops ({reuse.nbytes / 2**20:.0f} MiB while it runs)")
+                self.dense_body_bytes = reuse.nbytes
+
     def _forward(
         self,
         tokens: torch.Tensor,
@@ -224,81 +240,58 @@ class FusedDecoder:
         resume: tuple[torch.Tensor, torch.Tensor] | None = None,
         start_loop: int = 0,
     ) -> ForwardOutput:
-        """The step; one whose matmuls go to cuBLAS (a prefill) and that runs the body more than once
-        dequantizes the body's INT4 matrices once for all loops where their 16-bit copies fit the budget."""
-        args = (tokens, positions, cache, loops, last_only, resume, start_loop)
-        rows = tokens.numel()
-        cublas_step = ops.USE_CUBLAS_16BIT and rows > ops.BLOCKED_GEMM_MAX_ROWS
-        if not (self._reuse_dense_body and cublas_step and loops - start_loop > 1):
-            return self._forward_layers(*args)
-        with ops.dense_weights_reused(self._body_matrices) as reuse:
-            out = self._forward_layers(*args)
-            if reuse.nbytes > self.dense_body_bytes:
-                detail(f"prefill: body dequantized once for all loops ({reuse.nbytes / 2**20:.0f} MiB while it runs)")
-                self.dense_body_bytes = reuse.nbytes
-        return out
-
-    def _forward_layers(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache,
-        loops: int,
-        last_only: bool,
-        resume: tuple[torch.Tensor, torch.Tensor] | None,
-        start_loop: int,
-    ) -> ForwardOutput:
-        cfg, w, eng = self.cfg, self.engine.weights, self.engine
-        B, T = tokens.shape
-        if resume is None:
-            x = embed(w, cfg, tokens, eng.dtype).reshape(B * T, cfg.d_model)
-            for i, lw in enumerate(w.prelude):
-                x = self._layer(x, lw, cache, prelude_slot(cfg, i), positions, T)
-            p = x
-            s = initial_state(cfg, p, positions, eng.noise)
-        else:
-            s = resume[0].reshape(B * T, cfg.d_model)
-            p = resume[1].reshape(B * T, cfg.d_model)
-        gates: list[torch.Tensor] = []
-        for t in range(start_loop, loops):
-            if cfg.injection == "add":
-                h = ops.add(s, p)
-            elif cfg.injection == "concat":
-                assert w.adapter is not None
-                h = ops.fused_linear(torch.cat((s, p), dim=-1), w.adapter)
+        with self._dense_body_scope(tokens.numel(), loops - start_loop):
+            cfg, w, eng = self.cfg, self.engine.weights, self.engine
+            B, T = tokens.shape
+            if resume is None:
+                x = embed(w, cfg, tokens, eng.dtype).reshape(B * T, cfg.d_model)
+                for i, lw in enumerate(w.prelude):
+                    x = self._layer(x, lw, cache, prelude_slot(cfg, i), positions, T)
+                p = x
+                s = initial_state(cfg, p, positions, eng.noise)
             else:
-                h = s
-            for j, lw in enumerate(w.body):
-                h = self._layer(h, lw, cache, body_slot(cfg, t, j), positions, T)
-            if cfg.loop_norm == "every_loop":
+                s = resume[0].reshape(B * T, cfg.d_model)
+                p = resume[1].reshape(B * T, cfg.d_model)
+            gates: list[torch.Tensor] = []
+            for t in range(start_loop, loops):
+                if cfg.injection == "add":
+                    h = ops.add(s, p)
+                elif cfg.injection == "concat":
+                    assert w.adapter is not None
+                    h = ops.fused_linear(torch.cat((s, p), dim=-1), w.adapter)
+                else:
+                    h = s
+                for j, lw in enumerate(w.body):
+                    h = self._layer(h, lw, cache, body_slot(cfg, t, j), positions, T)
+                if cfg.loop_norm == "every_loop":
+                    assert w.final_norm is not None
+                    h = ops.rms_norm(h, w.final_norm.weight, cfg.norm_eps)
+                s = h
+                if w.exit_gate_weight is not None:
+                    gates.append(self._gate_logit(s).view(B, T))
+            x = s
+            if cfg.loop_norm == "after_loop":
                 assert w.final_norm is not None
-                h = ops.rms_norm(h, w.final_norm.weight, cfg.norm_eps)
-            s = h
-            if w.exit_gate_weight is not None:
-                gates.append(self._gate_logit(s).view(B, T))
-        x = s
-        if cfg.loop_norm == "after_loop":
-            assert w.final_norm is not None
-            x = ops.rms_norm(x, w.final_norm.weight, cfg.norm_eps)
-        for i, lw in enumerate(w.coda):
-            x = self._layer(x, lw, cache, coda_slot(cfg, i), positions, T)
-        rows = x.view(B, T, -1)[:, -1] if last_only else x
-        head_norm = w.final_norm.weight if cfg.head_norm and w.final_norm is not None else None
-        logits = ops.fused_linear(
-            rows,
-            w.head,
-            norm_weight=head_norm,
-            eps=cfg.norm_eps,
-            out_dtype=torch.float32,
-        )
-        if cfg.logit_scale != 1.0:
-            logits = logits * cfg.logit_scale
-        return ForwardOutput(
-            logits=logits.view(B, 1 if last_only else T, -1),
-            gates=gates,
-            loop_state=s.view(B, T, -1),
-            prelude_out=p.view(B, T, -1),
-        )
+                x = ops.rms_norm(x, w.final_norm.weight, cfg.norm_eps)
+            for i, lw in enumerate(w.coda):
+                x = self._layer(x, lw, cache, coda_slot(cfg, i), positions, T)
+            rows = x.view(B, T, -1)[:, -1] if last_only else x
+            head_norm = w.final_norm.weight if cfg.head_norm and w.final_norm is not None else None
+            logits = ops.fused_linear(
+                rows,
+                w.head,
+                norm_weight=head_norm,
+                eps=cfg.norm_eps,
+                out_dtype=torch.float32,
+            )
+            if cfg.logit_scale != 1.0:
+                logits = logits * cfg.logit_scale
+            return ForwardOutput(
+                logits=logits.view(B, 1 if last_only else T, -1),
+                gates=gates,
+                loop_state=s.view(B, T, -1),
+                prelude_out=p.view(B, T, -1),
+            )
 
     def _gate_logit(self, s: torch.Tensor) -> torch.Tensor:
         """The exit gate's logit per row in float32: for decode-sized steps one matvec launch in the PDL
