@@ -579,19 +579,14 @@ def _with_attrs(module: Any, attrs: dict[str, Any], fn: Callable[[], Any]) -> An
 
 
 def profile_section() -> dict[str, Any]:
-    """Kernel time per decode token of seed-407m (loops 8) under the PDL and attention variants."""
-    from tinyloop.runtime import fused_decode
-
+    """Kernel time per decode token of seed-407m (loops 8) with and without PDL (without, the kernels do not
+    overlap, so their times add up to the step)."""
     wait_for_models(SEED_PATH)
     run = lambda: _profile_decode(SEED_PATH, 8)  # noqa: E731
     out = {
         "default": run(),
         "no_pdl": with_env({"TINYLOOP_DISABLE_PDL": "1"}, run),
-        "rope_store_then_attention": _with_attrs(fused_decode, {"ROPE_ATTENTION_ONE_KERNEL": False}, run),
     }
-    for block, warps in ((64, 4), (32, 4), (256, 8), (128, 4)):
-        attrs = {"ATTENTION_BLOCK": block, "ATTENTION_WARPS": warps}
-        out[f"attention_{block}_{warps}"] = _with_attrs(cuda_ops, attrs, run)
     for k, v in out.items():
         print(k, round(v["wall_us_per_token"], 1), round(v["kernel_us_per_token"], 1), flush=True)
         for name, row in list(v["kernels"].items())[:5]:
