@@ -141,6 +141,25 @@ def test_blocked_int4_prefill_paths_match_plain(monkeypatch: pytest.MonkeyPatch)
         assert frob_rel_error(ops.fused_linear(x, blocked), ref) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 5])
+@pytest.mark.parametrize("mode", [1, 2])
+def test_sandwich_linear_equals_norm_then_linear(dtype: torch.dtype, rows: int, mode: int) -> None:
+    """The post-norm folded into the GEMV (1-4 rows) gives the same x_new as `rms_norm` bit for bit and the
+    same product as `fused_linear` on it; 5 rows take the two-kernel path. K = 320: a partial tile of blocks."""
+    gen = torch.Generator().manual_seed(rows + 10 * mode)
+    K, N = 320, 37
+    blocked = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(2 * N, K, generator=gen) / K**0.5, 64))
+    x = (2 * torch.randn(rows, K, generator=gen)).to(dtype)
+    sub = (5 * torch.randn(rows, K, generator=gen)).to(dtype)
+    gain, norm = 1 + 0.1 * torch.randn(K, generator=gen), 1 + 0.1 * torch.randn(K, generator=gen)
+    x_new, got = ops.sandwich_linear(x, sub, gain, mode, blocked, norm_weight=norm, eps=1e-6, act=ops.ACT_SWIGLU)
+    want_x = ops.rms_norm(sub, gain, 1e-6, x, mode)
+    assert torch.equal(x_new, want_x)
+    want = ops.fused_linear(want_x, blocked, norm_weight=norm, eps=1e-6, act=ops.ACT_SWIGLU)
+    assert frob_rel_error(got, want.double()) <= {torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+
+
 def test_dequantize_int4_is_exact() -> None:
     raw = torch.randn(24, 256, generator=torch.Generator().manual_seed(1))
     q = quantize_int4(raw, 64)

@@ -189,12 +189,7 @@ def fused_linear(
     if isinstance(w, BlockedInt4Weight):
         del flags["INT4"]
         if M <= MATVEC_MAX_ROWS:
-            block_n, block_b, warps = _blocked_config(N, K, M)
-            _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
-                *args, K // 8, K // group, **flags, BLOCK=w.block, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
-                BLOCK_B=block_b, num_warps=warps, **_pdl(),
-            )  # fmt: skip
-            return out
+            return _blocked_gemv(args, w, flags)
         return _splitk_linear(x, w, nw, eps, flags, out, res, b)
     if M <= MATVEC_MAX_ROWS:
         block_n, block_k, warps = _matvec_config(N, K, M, group)
@@ -210,6 +205,56 @@ def fused_linear(
         BLOCKED=_block_width(w), num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
+
+
+def _blocked_gemv(
+    args: tuple,
+    w: BlockedInt4Weight,
+    flags: dict,
+    sandwich: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """`_gemv_blocked_int4_kernel` on fused_linear's arguments; `sandwich` = (sub, gain, mode, x_new)."""
+    x, out, M, N, K = args[0], args[4], args[8], args[9], args[10]
+    block_n, block_b, warps = _blocked_config(N, K, M)
+    sub, gain, mode, x_new = sandwich if sandwich is not None else (x, x, 0, x)
+    _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
+        *args, K // 8, K // w.group_size, sub, gain, x_new, sub.stride(0), **flags, BLOCK=w.block,
+        ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_B=block_b, SANDWICH=mode, num_warps=warps, **_pdl(),
+    )  # fmt: skip
+    return out
+
+
+def sandwich_linear(
+    x: torch.Tensor,
+    sub: torch.Tensor,
+    sub_gain: torch.Tensor,
+    mode: int,
+    w: Weight,
+    *,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    bias: torch.Tensor | None = None,
+    act: int = ACT_NONE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_new = rms_norm(sub, sub_gain, eps, x, mode) (a sandwich layer's post-norm: mode 1 x + norm(sub),
+    mode 2 norm(sub + x)), then fused_linear(x_new, w, ...); returns (x_new, product). Decode-sized steps
+    on blocked INT4 weights do both in the GEMV's launch (its prologue normalizes, program 0 stores x_new),
+    everything else runs the two kernels."""
+    M, K = x.shape
+    fusable = isinstance(w, BlockedInt4Weight) and M <= MATVEC_MAX_ROWS and mode in (1, 2)
+    if not fusable or x.stride(1) != 1 or sub.stride(1) != 1 or sub.shape != x.shape:
+        x_new = rms_norm(sub, sub_gain, eps, x, mode)
+        return x_new, fused_linear(x_new, w, norm_weight=norm_weight, eps=eps, bias=bias, act=act)
+    assert isinstance(w, BlockedInt4Weight)
+    N = w.shape[0] // 2 if act == ACT_SWIGLU else w.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    x_new = torch.empty_like(x)
+    nw = norm_weight if norm_weight is not None else out
+    b = bias if bias is not None else out
+    flags = dict(NORM=norm_weight is not None, BIAS=bias is not None, ACT=act, RESIDUAL=False, GROUP=w.group_size)
+    words = w.packed.view(torch.int32)
+    args = (x, words, w.scale, w.minimum, out, out, nw, b, M, N, K, eps, x.stride(0), out.stride(0), out.stride(0))
+    return x_new, _blocked_gemv(args, w, flags, (sub, sub_gain, mode, x_new))
 
 
 def _splitk_linear(

@@ -298,6 +298,35 @@ def _load_blocked_tile(
 
 
 @triton.jit
+def _sandwich_rstd(sub_ptr, stride_sm, x_ptr, stride_xm, offs_m, m_mask, K, eps, MODE: tl.constexpr):
+    """1 / rms of what a sandwich post-norm normalizes: sub (MODE 1) or sub + x rounded (MODE 2)."""
+    acc = tl.zeros((offs_m.shape[0],), tl.float32)
+    for k0 in range(0, K, 1024):
+        offs_k = k0 + tl.arange(0, 1024)
+        mask = m_mask[:, None] & (offs_k[None, :] < K)
+        v = tl.load(sub_ptr + offs_m[:, None] * stride_sm + offs_k[None, :], mask=mask, other=0.0)
+        if MODE == 2:
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
+            v = (v.to(tl.float32) + x.to(tl.float32)).to(v.dtype)
+        v = v.to(tl.float32)
+        acc += tl.sum(v * v, axis=1)
+    return 1.0 / tl.sqrt(acc / K + eps)
+
+
+@triton.jit
+def _sandwich_input(x, sub, gain, rstd, MODE: tl.constexpr):
+    """x + norm(sub) * gain (MODE 1) or norm(sub + x) * gain (MODE 2), rounded like `_rms_norm_kernel`."""
+    dt = x.dtype
+    v = sub
+    if MODE == 2:
+        v = (sub.to(tl.float32) + x.to(tl.float32)).to(dt)
+    y = ((v.to(tl.float32) * rstd).to(dt).to(tl.float32) * gain.to(dt).to(tl.float32)).to(dt)
+    if MODE == 1:
+        y = (y.to(tl.float32) + x.to(tl.float32)).to(dt)
+    return y
+
+
+@triton.jit
 def _gemv_blocked_int4_kernel(
     x_ptr,
     w_ptr,
@@ -316,6 +345,10 @@ def _gemv_blocked_int4_kernel(
     stride_rm,
     stride_w,
     stride_g,
+    sub_ptr,
+    sub_gain_ptr,
+    x_new_ptr,
+    stride_sm,
     GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
     NORM: tl.constexpr,
@@ -326,6 +359,7 @@ def _gemv_blocked_int4_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
     PDL: tl.constexpr,
+    SANDWICH: tl.constexpr = 0,
 ):
     """1..ROWS rows times an INT4 matrix in the blocked layout (quant.BlockedInt4Weight: word i of a
     BLOCK-column block holds column (BLOCK / 8) j + i), so a thread's consecutive words need consecutive x
@@ -333,7 +367,10 @@ def _gemv_blocked_int4_kernel(
     sum_k x_k q_k = 16 (sum_k x_k (1 + q_k / 16) - sum_k x_k), then scale and minimum once per block.
     x, its norm gain and its block sums carry no weight-row dimension: a thread holding several weight
     rows of the same columns loads and converts their x once (tiles of 16-32 rows per 4 warps), which
-    took the loop from ~13 to ~8 instructions per weight on sm_90 (NORM, counted in the PTX)."""
+    took the loop from ~13 to ~8 instructions per weight on sm_90 (NORM, counted in the PTX).
+    SANDWICH 1 / 2: the input is first x + norm(sub) / norm(sub + x) with gain sub_gain (the previous
+    sublayer's post-norm, as `_rms_norm_kernel` MODE 1 / 2 rounds it), which program 0 also stores to
+    x_new: a sandwich-norm layer then needs no launch of its own for its post-norms."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -356,6 +393,9 @@ def _gemv_blocked_int4_kernel(
             w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk, n_blocks, stride_w, stride_g, GROUP, BLOCK
         )
     _wait_for_previous_kernel(PDL)
+    sub_rstd = tl.zeros((ROWS, 1, 1), tl.float32)
+    if SANDWICH:
+        sub_rstd = _sandwich_rstd(sub_ptr, stride_sm, x_ptr, stride_xm, offs_m, m_mask, K, eps, SANDWICH)[:, None, None]
     for kb in range(0, n_blocks, BLOCK_B):
         blk = kb + tl.arange(0, BLOCK_B)
         blk_mask = (blk < n_blocks)[:, None]
@@ -374,6 +414,12 @@ def _gemv_blocked_int4_kernel(
         for j in tl.static_range(8):
             cols = (blk * BLOCK + WORDS * j)[:, None] + offs_i[None, :]
             xj = tl.load(x_ptr + offs_m[:, None, None] * stride_xm + cols[None], mask=x_mask, other=0.0)
+            if SANDWICH:
+                sub = tl.load(sub_ptr + offs_m[:, None, None] * stride_sm + cols[None], mask=x_mask, other=0.0)
+                sub_gain = tl.load(sub_gain_ptr + cols, mask=blk_mask, other=0.0)
+                xj = _sandwich_input(xj, sub, sub_gain[None], sub_rstd, SANDWICH)
+                first = x_mask & ((offs_m * 0 + pid) == 0)[:, None, None]
+                tl.store(x_new_ptr + offs_m[:, None, None] * stride_xm + cols[None], xj, mask=first)
             xj = xj.to(tl.float32)
             if NORM:
                 sumsq += xj * xj
