@@ -160,6 +160,21 @@ def test_sandwich_linear_equals_norm_then_linear(dtype: torch.dtype, rows: int, 
     assert frob_rel_error(got, want.double()) <= {torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
 
 
+@pytest.mark.parametrize("rows", [1, 5, 20])
+def test_fused_linear_into_residual(rows: int) -> None:
+    """into_residual writes the same result into the residual's storage on every path (GEMV, split-K,
+    dequantize + cuBLAS)."""
+    gen = torch.Generator().manual_seed(rows)
+    K, N = 320, 37
+    blocked = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(N, K, generator=gen) / K**0.5, 64))
+    x, residual = torch.randn(rows, K, generator=gen), torch.randn(rows, N, generator=gen)
+    want = ops.fused_linear(x, blocked, residual=residual)
+    target = residual.clone()
+    got = ops.fused_linear(x, blocked, residual=target, into_residual=True)
+    assert got.data_ptr() == target.data_ptr()
+    assert frob_rel_error(got, want.double()) <= 1e-6
+
+
 def test_dequantize_int4_is_exact() -> None:
     raw = torch.randn(24, 256, generator=torch.Generator().manual_seed(1))
     q = quantize_int4(raw, 64)

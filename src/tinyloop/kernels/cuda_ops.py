@@ -160,10 +160,13 @@ def fused_linear(
     act: int = ACT_NONE,
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    into_residual: bool = False,
 ) -> torch.Tensor:
     """act(rmsnorm(x) @ w.T + bias) + residual for x [M, K] (row-contiguous), in one kernel where it pays.
 
     With act=ACT_SWIGLU the weight holds [gate; up] rows and the result has half as many features.
+    into_residual: the result overwrites `residual` (which the caller no longer needs), which spares cuBLAS
+    the copy of the residual into a fresh output.
     """
     M, K = x.shape
     n_total = w.shape[0]
@@ -171,7 +174,10 @@ def fused_linear(
     if x.stride(1) != 1:
         x = x.contiguous()
     dtype = out_dtype or x.dtype
-    out = torch.empty((M, N), dtype=dtype, device=x.device)
+    if into_residual and residual is not None and residual.dtype == dtype and residual.is_contiguous():
+        out = residual
+    else:
+        out = torch.empty((M, N), dtype=dtype, device=x.device)
     words, scale, minimum, group, is_int4 = _weight_parts(w)
     blocked = isinstance(w, BlockedInt4Weight)
     int4_rows = BLOCKED_GEMM_MAX_ROWS if blocked else DOT_MAX_ROWS

@@ -377,7 +377,7 @@ class FusedDecoder:
         if cfg.norm_placement == "pre":
             x = ops.fused_linear(attn, lw.out, residual=x)
             h = ops.fused_linear(x, up, **mlp_kw)
-            return ops.fused_linear(h, lw.down, residual=x)
+            return ops.fused_linear(h, lw.down, residual=x, into_residual=True)  # x is this layer's own
         assert lw.attn_post_norm is not None and lw.mlp_post_norm is not None
         mode = 1 if cfg.norm_placement == "sandwich_out" else 2
         a = ops.fused_linear(attn, lw.out)
