@@ -56,15 +56,16 @@ ATTENTION_WARPS = 4
 
 # (N, K, rows) -> (BLOCK_N, BLOCK_K, num_warps); filled by benchmark sweeps to override the heuristic.
 MATVEC_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
-# The same for the blocked-layout INT4 GEMV: (N, K, rows) -> (BLOCK_N, blocks per tile, num_warps).
-BLOCKED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
+# The same for the blocked-layout INT4 GEMV: (N, K, rows) -> (BLOCK_N, blocks per tile, num_warps) and
+# optionally X_SHARED (1: x converted once per thread for all its weight rows; triton_matmul).
+BLOCKED_CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {}
 # One-row (decode) tiles of the blocked GEMV for d_model 2048 / ffn 5632 matrices (seed-407m, Ouro-1.4B),
 # (N, K) -> tile, chosen in the model's own kernel chain (bench/gpu_suite.py chain_tiles, H200,
 # bench/results/h200_session6_final.json): alone, one shape timed back to back, most tiles tie within a few
 # percent, but within a decode step, where each GEMV follows a different kernel, the best tile of one matrix
 # depends on its neighbours' and the set below took seed-407m's 64 tokens at 8 loops from 102.3 ms (the
 # session-5 tiles) to 83.2 ms together with the attention tile below.
-BLOCKED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
+BLOCKED_TILES: dict[tuple[int, int], tuple[int, ...]] = {
     (6144, 2048): (8, 8, 4),  # qkv
     (2048, 2048): (2, 32, 4),  # attention output
     (5632, 2048): (8, 8, 4),  # gate / up (SwiGLU: 2 weight rows per output feature)
@@ -110,7 +111,7 @@ def _matvec_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, int
     return 4, max(group, 512), 4
 
 
-def _blocked_config(n: int, k: int, rows: int) -> tuple[int, int, int]:
+def _blocked_config(n: int, k: int, rows: int) -> tuple[int, ...]:
     if (n, k, rows) in BLOCKED_CONFIGS:
         return BLOCKED_CONFIGS[(n, k, rows)]
     if rows == 1 and (n, k) in BLOCKED_TILES:
@@ -221,11 +222,12 @@ def _blocked_gemv(
 ) -> torch.Tensor:
     """`_gemv_blocked_int4_kernel` on fused_linear's arguments; `sandwich` = (sub, gain, mode, x_new)."""
     x, out, M, N, K = args[0], args[4], args[8], args[9], args[10]
-    block_n, block_b, warps = _blocked_config(N, K, M)
+    block_n, block_b, warps, *x_shared = _blocked_config(N, K, M)
     sub, gain, mode, x_new = sandwich if sandwich is not None else (x, x, 0, x)
     _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
         *args, K // 8, K // w.group_size, sub, gain, x_new, sub.stride(0), **flags, BLOCK=w.block,
-        ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_B=block_b, SANDWICH=mode, num_warps=warps, **_pdl(),
+        ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_B=block_b, SANDWICH=mode,
+        X_SHARED=x_shared[0] if x_shared else 0, num_warps=warps, **_pdl(),
     )  # fmt: skip
     return out
 

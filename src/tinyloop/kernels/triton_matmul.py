@@ -360,14 +360,17 @@ def _gemv_blocked_int4_kernel(
     BLOCK_B: tl.constexpr,
     PDL: tl.constexpr,
     SANDWICH: tl.constexpr = 0,
+    X_SHARED: tl.constexpr = 0,
 ):
     """1..ROWS rows times an INT4 matrix in the blocked layout (quant.BlockedInt4Weight: word i of a
     BLOCK-column block holds column (BLOCK / 8) j + i), so a thread's consecutive words need consecutive x
     values for each nibble j and both load as vectors in the same register layout. Per block (one group):
     sum_k x_k q_k = 16 (sum_k x_k (1 + q_k / 16) - sum_k x_k), then scale and minimum once per block.
-    x, its norm gain and its block sums carry no weight-row dimension: a thread holding several weight
-    rows of the same columns loads and converts their x once (tiles of 16-32 rows per 4 warps), which
-    took the loop from ~13 to ~8 instructions per weight on sm_90 (NORM, counted in the PTX).
+    X_SHARED 0: x (with its norm gain and block sums) is read through pointers of the weight tile's full
+    shape, so it lands in the tile's register layout, once per weight row. X_SHARED 1: x carries no row
+    dimension, so a thread holding several weight rows of the same columns converts their x once (sm_90
+    PTX, NORM: ~8 instead of ~13 instructions per weight at 16 words per thread) but the compiler moves
+    it into the tile's layout through shared memory (a few barriers per nibble).
     SANDWICH 1 / 2: the input is first x + norm(sub) / norm(sub + x) with gain sub_gain (the previous
     sublayer's post-norm, as `_rms_norm_kernel` MODE 1 / 2 rounds it), which program 0 also stores to
     x_new: a sandwich-norm layer then needs no launch of its own for its post-norms."""
@@ -377,11 +380,13 @@ def _gemv_blocked_int4_kernel(
     offs_m = tl.arange(0, ROWS)
     m_mask = offs_m < M
     WORDS: tl.constexpr = BLOCK // 8
+    XN: tl.constexpr = 1 if X_SHARED else BLOCK_N  # x's weight-row dimension
     offs_i = tl.arange(0, WORDS)
+    x_rows = tl.arange(0, XN)
     n_blocks = K // BLOCK
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_B), tl.float32)
     acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_B), tl.float32)
-    sumsq = tl.zeros((ROWS, BLOCK_B, WORDS), tl.float32)
+    sumsq = tl.zeros((ROWS, XN, BLOCK_B, WORDS), tl.float32)
     # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait.
     blk = tl.arange(0, BLOCK_B)
     words, s, mn = _load_blocked_tile(
@@ -393,13 +398,15 @@ def _gemv_blocked_int4_kernel(
             w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk, n_blocks, stride_w, stride_g, GROUP, BLOCK
         )
     _wait_for_previous_kernel(PDL)
-    sub_rstd = tl.zeros((ROWS, 1, 1), tl.float32)
+    sub_rstd = tl.zeros((ROWS, 1, 1, 1), tl.float32)
     if SANDWICH:
-        sub_rstd = _sandwich_rstd(sub_ptr, stride_sm, x_ptr, stride_xm, offs_m, m_mask, K, eps, SANDWICH)[:, None, None]
+        sub_rstd = _sandwich_rstd(sub_ptr, stride_sm, x_ptr, stride_xm, offs_m, m_mask, K, eps, SANDWICH)
+        sub_rstd = sub_rstd[:, None, None, None]
+    m_off = offs_m[:, None, None, None]
     for kb in range(0, n_blocks, BLOCK_B):
         blk = kb + tl.arange(0, BLOCK_B)
-        blk_mask = (blk < n_blocks)[:, None]
-        x_mask = m_mask[:, None, None] & blk_mask[None]
+        blk_mask = (blk < n_blocks)[None, :, None]
+        x_mask = m_mask[:, None, None, None] & blk_mask[None]
         cur, cur_s, cur_mn, cur_up, cur_s_up, cur_mn_up = words, s, mn, words_up, s_up, mn_up
         words, s, mn = _load_blocked_tile(
             w_ptr, s_ptr, m_ptr, rows, row_mask, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP, BLOCK
@@ -410,35 +417,35 @@ def _gemv_blocked_int4_kernel(
             )
         part = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
         part_up = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
-        xsum = tl.zeros((ROWS, BLOCK_B, WORDS), tl.float32)
+        xsum = tl.zeros((ROWS, XN, BLOCK_B, WORDS), tl.float32)
         for j in tl.static_range(8):
-            cols = (blk * BLOCK + WORDS * j)[:, None] + offs_i[None, :]
-            xj = tl.load(x_ptr + offs_m[:, None, None] * stride_xm + cols[None], mask=x_mask, other=0.0)
+            cols = (x_rows * 0)[:, None, None] + (blk * BLOCK + WORDS * j)[None, :, None] + offs_i[None, None, :]
+            xj = tl.load(x_ptr + m_off * stride_xm + cols[None], mask=x_mask, other=0.0)
             if SANDWICH:
-                sub = tl.load(sub_ptr + offs_m[:, None, None] * stride_sm + cols[None], mask=x_mask, other=0.0)
+                sub = tl.load(sub_ptr + m_off * stride_sm + cols[None], mask=x_mask, other=0.0)
                 sub_gain = tl.load(sub_gain_ptr + cols, mask=blk_mask, other=0.0)
                 xj = _sandwich_input(xj, sub, sub_gain[None], sub_rstd, SANDWICH)
-                first = x_mask & ((offs_m * 0 + pid) == 0)[:, None, None]
-                tl.store(x_new_ptr + offs_m[:, None, None] * stride_xm + cols[None], xj, mask=first)
+                first = x_mask & (x_rows == 0)[None, :, None, None] & ((offs_m * 0 + pid) == 0)[:, None, None, None]
+                tl.store(x_new_ptr + m_off * stride_xm + cols[None], xj, mask=first)
             xj = xj.to(tl.float32)
             if NORM:
                 sumsq += xj * xj
                 g = tl.load(nw_ptr + cols, mask=blk_mask, other=0.0)
                 xj = xj * g.to(tl.float32)[None]
             xsum += xj
-            part += _blocked_f(cur, j)[None] * xj[:, None]
+            part += _blocked_f(cur, j)[None] * xj
             if ACT == 1:
-                part_up += _blocked_f(cur_up, j)[None] * xj[:, None]
-        xs = tl.sum(xsum, axis=2)[:, None, :]
+                part_up += _blocked_f(cur_up, j)[None] * xj
+        xs = tl.sum(xsum, axis=3)
         acc += cur_s[None] * (16.0 * (tl.sum(part, axis=3) - xs)) + cur_mn[None] * xs
         if ACT == 1:
             acc_up += cur_s_up[None] * (16.0 * (tl.sum(part_up, axis=3) - xs)) + cur_mn_up[None] * xs
     y = tl.sum(acc, axis=2)
     y_up = tl.sum(acc_up, axis=2)
     if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(sumsq, axis=2), axis=1) / K + eps)
-        y = y * rstd[:, None]
-        y_up = y_up * rstd[:, None]
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(sumsq, axis=3), axis=2) / K + eps)
+        y = y * rstd
+        y_up = y_up * rstd
     _epilogue(
         y, y_up, offs_m, m_mask, rows, row_mask, out_ptr, stride_om, res_ptr, stride_rm, b_ptr, BIAS, ACT, RESIDUAL
     )
