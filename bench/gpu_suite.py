@@ -319,7 +319,8 @@ def sweep_section() -> dict[str, Any]:
 # The session-6 winners (x in the weight tile's layout, one weight row per thread) and X_SHARED tiles, which
 # give each thread 2-4 weight rows of the same columns and convert x once for them.
 CHAIN_CANDIDATES = [(8, 8, 4), (4, 32, 8), (2, 32, 4), (4, 8, 2), (16, 8, 4), (16, 8, 4, 1), (32, 8, 4, 1),
-                    (16, 16, 4, 1), (32, 8, 8, 1), (16, 8, 2, 1), (8, 8, 1, 1), (64, 8, 8, 1), (16, 32, 8, 1)]  # fmt: skip
+                    (16, 16, 4, 1), (32, 8, 8, 1), (16, 8, 2, 1), (8, 8, 1, 1), (64, 8, 8, 1),
+                    (16, 32, 8, 1)]  # fmt: skip
 
 
 def chain_tiles_section() -> dict[str, Any]:
