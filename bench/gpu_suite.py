@@ -383,6 +383,40 @@ def chain_tiles_section() -> dict[str, Any]:
     return res
 
 
+def one_tile_section() -> dict[str, Any]:
+    """The GEMV without and with ONE_TILE (no prefetch of a next tile when the tile spans K) on seed-407m:
+    64 raw decode steps at 8 loops after a 128-token prompt, alternated three times, and greedy tokens."""
+    wait_for_models(SEED_PATH)
+    m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
+    eng, loops, prompt_len = m._engine, 8, 128
+    cache = eng.new_cache(1, 260, loops)
+    prompt = torch.as_tensor(np.random.default_rng(4).integers(0, 32000, (1, prompt_len)), dtype=torch.long)
+    eng.step(prompt, cache, loops, last_only=True)
+    tok = torch.tensor([[5]])
+    decoder = eng.decoder
+    res: dict[str, Any] = {"on_ms": [], "off_ms": []}
+
+    def raw() -> None:
+        cache.truncate(prompt_len)
+        for _ in range(64):
+            eng.step(tok, cache, loops, last_only=True)
+
+    tokens = {}
+    for _ in range(3):
+        for flag in (True, False):
+            cuda_ops.GEMV_ONE_TILE = flag
+            decoder._graphs.clear()  # type: ignore[union-attr]
+            raw()
+            res["on_ms" if flag else "off_ms"].append(1e3 * statistics.median(timed(raw, 5)))
+            tokens[flag] = [int(t) for t in m.generate(prompt[0].numpy(), 32, loops=8, temperature=0.0)]
+    cuda_ops.GEMV_ONE_TILE = True
+    res["identical_tokens"] = tokens[True] == tokens[False]
+    print("one tile", res, flush=True)
+    m.close()
+    torch.cuda.empty_cache()
+    return res
+
+
 def pdl_early_section() -> dict[str, Any]:
     """Each kernel letting the next one launch before its own PDL wait (cuda_ops.PDL_EARLY_LAUNCH) against
     launching it after: seed-407m greedy tokens and decode time, then the seed407m numbers with it where it
@@ -807,6 +841,7 @@ SECTIONS = {
     "speculative": speculative_section,
     "chain_tiles": chain_tiles_section,
     "pdl_early": pdl_early_section,
+    "one_tile": one_tile_section,
 }
 
 

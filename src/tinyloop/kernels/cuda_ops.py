@@ -47,31 +47,34 @@ SPLITK_PROGRAMS = 264
 ROPE_BLOCK_ROWS = 16
 
 # Cached attention: keys per iteration and warps per (row, head) program. Few programs run (one per
-# head), so each takes big bites of the cache to keep enough loads in flight. Session 3 (H200, seed-407m
-# decode with PDL): 12.5 us per layer at 256 keys / 8 warps, 13.4 at 128 / 4, 17.9 at 32 / 4; since the
-# one-token kernel loads its first block before the PDL wait, 128 / 4 wins in the decode chain (64 tokens
-# at 8 loops: 83.4 ms against 85.3 at 256 / 8 and 111.3 at 256 / 4, chain_tiles section).
-ATTENTION_BLOCK = 128
-ATTENTION_WARPS = 4
+# head), so each takes big bites of the cache to keep enough loads in flight, and the one-token kernel loads
+# its first block before the PDL wait. Session 7 (H200, seed-407m, chain_tiles: 64 tokens at 8 loops after
+# a 128-token prompt, so 129-192 keys as in the benchmark's decode): 89.0 ms at 256 keys / 8 warps against
+# 94.1 at 128 / 4, 95.0 at 128 / 8, 98.7 at 64 / 4 and 99.6 at 256 / 16 (h200_session7_a.json). Session 6
+# measured at 65-128 keys, where one 128-key block already covers everything, and preferred 128 / 4.
+ATTENTION_BLOCK = 256
+ATTENTION_WARPS = 8
 
 # (N, K, rows) -> (BLOCK_N, BLOCK_K, num_warps); filled by benchmark sweeps to override the heuristic.
 MATVEC_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
-# The same for the blocked-layout INT4 GEMV: (N, K, rows) -> (BLOCK_N, blocks per tile, num_warps) and
-# optionally X_SHARED (1: x converted once per thread for all its weight rows; triton_matmul).
-BLOCKED_CONFIGS: dict[tuple[int, int, int], tuple[int, ...]] = {}
+# The same for the blocked-layout INT4 GEMV: (N, K, rows) -> (BLOCK_N, blocks per tile, num_warps).
+BLOCKED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 # One-row (decode) tiles of the blocked GEMV for d_model 2048 / ffn 5632 matrices (seed-407m, Ouro-1.4B),
-# (N, K) -> tile, chosen in the model's own kernel chain (bench/gpu_suite.py chain_tiles, H200,
-# bench/results/h200_session6_final.json): alone, one shape timed back to back, most tiles tie within a few
-# percent, but within a decode step, where each GEMV follows a different kernel, the best tile of one matrix
-# depends on its neighbours' and the set below took seed-407m's 64 tokens at 8 loops from 102.3 ms (the
-# session-5 tiles) to 83.2 ms together with the attention tile below.
-BLOCKED_TILES: dict[tuple[int, int], tuple[int, ...]] = {
-    (6144, 2048): (8, 8, 4),  # qkv
-    (2048, 2048): (2, 32, 4),  # attention output
-    (5632, 2048): (8, 8, 4),  # gate / up (SwiGLU: 2 weight rows per output feature)
+# (N, K) -> tile, chosen in the model's own kernel chain (bench/gpu_suite.py chain_tiles, coordinate descent
+# over 13 tiles per matrix, H200, bench/results/h200_session7_a.json): alone, one shape timed back to back,
+# most tiles tie within a few percent, but within a decode step, where each GEMV follows a different
+# kernel, the best tile of one matrix depends on its neighbours'. Session 7's set took 64 tokens at 8
+# loops after a 128-token prompt from 97.3 ms (session 6's tiles) to 89.0 ms with the attention tile above.
+BLOCKED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
+    (6144, 2048): (4, 8, 2),  # qkv
+    (2048, 2048): (4, 32, 8),  # attention output
+    (5632, 2048): (4, 8, 2),  # gate / up (SwiGLU: 2 weight rows per output feature)
     (2048, 5632): (4, 32, 8),  # down
     (32000, 2048): (4, 8, 2),  # head
 }
+# A GEMV tile spanning all of K skips the prefetch of a next tile (triton_matmul ONE_TILE; attention output
+# and down at their built-in tiles).
+GEMV_ONE_TILE = True
 # The same for the blocked INT4 split-K kernel: (N, K, rows) -> (BLOCK_N, BLOCK_M, BLOCK_K, num_warps).
 GEMM_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every tensor-core launch, or None: heuristic.
@@ -111,7 +114,7 @@ def _matvec_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, int
     return 4, max(group, 512), 4
 
 
-def _blocked_config(n: int, k: int, rows: int) -> tuple[int, ...]:
+def _blocked_config(n: int, k: int, rows: int) -> tuple[int, int, int]:
     if (n, k, rows) in BLOCKED_CONFIGS:
         return BLOCKED_CONFIGS[(n, k, rows)]
     if rows == 1 and (n, k) in BLOCKED_TILES:
@@ -214,55 +217,15 @@ def fused_linear(
     return out
 
 
-def _blocked_gemv(
-    args: tuple,
-    w: BlockedInt4Weight,
-    flags: dict,
-    sandwich: tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """`_gemv_blocked_int4_kernel` on fused_linear's arguments; `sandwich` = (sub, gain, mode, x_new)."""
-    x, out, M, N, K = args[0], args[4], args[8], args[9], args[10]
-    block_n, block_b, warps, *x_shared = _blocked_config(N, K, M)
-    sub, gain, mode, x_new = sandwich if sandwich is not None else (x, x, 0, x)
+def _blocked_gemv(args: tuple, w: BlockedInt4Weight, flags: dict) -> torch.Tensor:
+    """`_gemv_blocked_int4_kernel` on fused_linear's arguments."""
+    out, M, N, K = args[4], args[8], args[9], args[10]
+    block_n, block_b, warps = _blocked_config(N, K, M)
     _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
-        *args, K // 8, K // w.group_size, sub, gain, x_new, sub.stride(0), **flags, BLOCK=w.block,
-        ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_B=block_b, SANDWICH=mode,
-        X_SHARED=x_shared[0] if x_shared else 0, num_warps=warps, **_pdl(),
+        *args, K // 8, K // w.group_size, **flags, BLOCK=w.block, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
+        BLOCK_B=block_b, ONE_TILE=int(GEMV_ONE_TILE and K <= block_b * w.block), num_warps=warps, **_pdl(),
     )  # fmt: skip
     return out
-
-
-def sandwich_linear(
-    x: torch.Tensor,
-    sub: torch.Tensor,
-    sub_gain: torch.Tensor,
-    mode: int,
-    w: Weight,
-    *,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    bias: torch.Tensor | None = None,
-    act: int = ACT_NONE,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x_new = rms_norm(sub, sub_gain, eps, x, mode) (a sandwich layer's post-norm: mode 1 x + norm(sub),
-    mode 2 norm(sub + x)), then fused_linear(x_new, w, ...); returns (x_new, product). Decode-sized steps
-    on blocked INT4 weights do both in the GEMV's launch (its prologue normalizes, program 0 stores x_new),
-    everything else runs the two kernels."""
-    M, K = x.shape
-    fusable = isinstance(w, BlockedInt4Weight) and M <= MATVEC_MAX_ROWS and mode in (1, 2)
-    if not fusable or x.stride(1) != 1 or sub.stride(1) != 1 or sub.shape != x.shape:
-        x_new = rms_norm(sub, sub_gain, eps, x, mode)
-        return x_new, fused_linear(x_new, w, norm_weight=norm_weight, eps=eps, bias=bias, act=act)
-    assert isinstance(w, BlockedInt4Weight)
-    N = w.shape[0] // 2 if act == ACT_SWIGLU else w.shape[0]
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    x_new = torch.empty_like(x)
-    nw = norm_weight if norm_weight is not None else out
-    b = bias if bias is not None else out
-    flags = dict(NORM=norm_weight is not None, BIAS=bias is not None, ACT=act, RESIDUAL=False, GROUP=w.group_size)
-    words = w.packed.view(torch.int32)
-    args = (x, words, w.scale, w.minimum, out, out, nw, b, M, N, K, eps, x.stride(0), out.stride(0), out.stride(0))
-    return x_new, _blocked_gemv(args, w, flags, (sub, sub_gain, mode, x_new))
 
 
 def _splitk_linear(

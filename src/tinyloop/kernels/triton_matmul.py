@@ -298,35 +298,6 @@ def _load_blocked_tile(
 
 
 @triton.jit
-def _sandwich_rstd(sub_ptr, stride_sm, x_ptr, stride_xm, offs_m, m_mask, K, eps, MODE: tl.constexpr):
-    """1 / rms of what a sandwich post-norm normalizes: sub (MODE 1) or sub + x rounded (MODE 2)."""
-    acc = tl.zeros((offs_m.shape[0],), tl.float32)
-    for k0 in range(0, K, 1024):
-        offs_k = k0 + tl.arange(0, 1024)
-        mask = m_mask[:, None] & (offs_k[None, :] < K)
-        v = tl.load(sub_ptr + offs_m[:, None] * stride_sm + offs_k[None, :], mask=mask, other=0.0)
-        if MODE == 2:
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask, other=0.0)
-            v = (v.to(tl.float32) + x.to(tl.float32)).to(v.dtype)
-        v = v.to(tl.float32)
-        acc += tl.sum(v * v, axis=1)
-    return 1.0 / tl.sqrt(acc / K + eps)
-
-
-@triton.jit
-def _sandwich_input(x, sub, gain, rstd, MODE: tl.constexpr):
-    """x + norm(sub) * gain (MODE 1) or norm(sub + x) * gain (MODE 2), rounded like `_rms_norm_kernel`."""
-    dt = x.dtype
-    v = sub
-    if MODE == 2:
-        v = (sub.to(tl.float32) + x.to(tl.float32)).to(dt)
-    y = ((v.to(tl.float32) * rstd).to(dt).to(tl.float32) * gain.to(dt).to(tl.float32)).to(dt)
-    if MODE == 1:
-        y = (y.to(tl.float32) + x.to(tl.float32)).to(dt)
-    return y
-
-
-@triton.jit
 def _gemv_blocked_int4_kernel(
     x_ptr,
     w_ptr,
@@ -345,10 +316,6 @@ def _gemv_blocked_int4_kernel(
     stride_rm,
     stride_w,
     stride_g,
-    sub_ptr,
-    sub_gain_ptr,
-    x_new_ptr,
-    stride_sm,
     GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
     NORM: tl.constexpr,
@@ -359,34 +326,25 @@ def _gemv_blocked_int4_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
     PDL: tl.constexpr,
-    SANDWICH: tl.constexpr = 0,
-    X_SHARED: tl.constexpr = 0,
+    ONE_TILE: tl.constexpr = 0,
 ):
     """1..ROWS rows times an INT4 matrix in the blocked layout (quant.BlockedInt4Weight: word i of a
     BLOCK-column block holds column (BLOCK / 8) j + i), so a thread's consecutive words need consecutive x
     values for each nibble j and both load as vectors in the same register layout. Per block (one group):
     sum_k x_k q_k = 16 (sum_k x_k (1 + q_k / 16) - sum_k x_k), then scale and minimum once per block.
-    X_SHARED 0: x (with its norm gain and block sums) is read through pointers of the weight tile's full
-    shape, so it lands in the tile's register layout, once per weight row. X_SHARED 1: x carries no row
-    dimension, so a thread holding several weight rows of the same columns converts their x once (sm_90
-    PTX, NORM: ~8 instead of ~13 instructions per weight at 16 words per thread) but the compiler moves
-    it into the tile's layout through shared memory (a few barriers per nibble).
-    SANDWICH 1 / 2: the input is first x + norm(sub) / norm(sub + x) with gain sub_gain (the previous
-    sublayer's post-norm, as `_rms_norm_kernel` MODE 1 / 2 rounds it), which program 0 also stores to
-    x_new: a sandwich-norm layer then needs no launch of its own for its post-norms."""
+    ONE_TILE: the tile spans all of K, so there is no next tile to prefetch and the registers that would
+    hold it stay free: more programs fit on an SM, and all of their weight loads are in flight at once."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     offs_m = tl.arange(0, ROWS)
     m_mask = offs_m < M
     WORDS: tl.constexpr = BLOCK // 8
-    XN: tl.constexpr = 1 if X_SHARED else BLOCK_N  # x's weight-row dimension
     offs_i = tl.arange(0, WORDS)
-    x_rows = tl.arange(0, XN)
     n_blocks = K // BLOCK
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_B), tl.float32)
     acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_B), tl.float32)
-    sumsq = tl.zeros((ROWS, XN, BLOCK_B, WORDS), tl.float32)
+    sumsq = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
     # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait.
     blk = tl.arange(0, BLOCK_B)
     words, s, mn = _load_blocked_tile(
@@ -398,39 +356,32 @@ def _gemv_blocked_int4_kernel(
             w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk, n_blocks, stride_w, stride_g, GROUP, BLOCK
         )
     _wait_for_previous_kernel(PDL)
-    sub_rstd = tl.zeros((ROWS, 1, 1, 1), tl.float32)
-    if SANDWICH:
-        sub_rstd = _sandwich_rstd(sub_ptr, stride_sm, x_ptr, stride_xm, offs_m, m_mask, K, eps, SANDWICH)
-        sub_rstd = sub_rstd[:, None, None, None]
-    m_off = offs_m[:, None, None, None]
+    # x (and the norm gain) is read through pointers of the weight tile's full shape [rows, blocks, words]
+    # so that it lands in the tile's register layout.
+    zero_rows = (rows * 0)[:, None, None]
     for kb in range(0, n_blocks, BLOCK_B):
         blk = kb + tl.arange(0, BLOCK_B)
-        blk_mask = (blk < n_blocks)[None, :, None]
-        x_mask = m_mask[:, None, None, None] & blk_mask[None]
+        x_mask = m_mask[:, None, None, None] & (row_mask[:, None, None] & (blk < n_blocks)[None, :, None])[None]
         cur, cur_s, cur_mn, cur_up, cur_s_up, cur_mn_up = words, s, mn, words_up, s_up, mn_up
-        words, s, mn = _load_blocked_tile(
-            w_ptr, s_ptr, m_ptr, rows, row_mask, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP, BLOCK
-        )
-        if ACT == 1:
-            words_up, s_up, mn_up = _load_blocked_tile(
-                w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP, BLOCK
+        if not ONE_TILE:
+            words, s, mn = _load_blocked_tile(
+                w_ptr, s_ptr, m_ptr, rows, row_mask, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP, BLOCK
             )
+            if ACT == 1:
+                words_up, s_up, mn_up = _load_blocked_tile(
+                    w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP,
+                    BLOCK,
+                )  # fmt: skip
         part = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
         part_up = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
-        xsum = tl.zeros((ROWS, XN, BLOCK_B, WORDS), tl.float32)
+        xsum = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
         for j in tl.static_range(8):
-            cols = (x_rows * 0)[:, None, None] + (blk * BLOCK + WORDS * j)[None, :, None] + offs_i[None, None, :]
-            xj = tl.load(x_ptr + m_off * stride_xm + cols[None], mask=x_mask, other=0.0)
-            if SANDWICH:
-                sub = tl.load(sub_ptr + m_off * stride_sm + cols[None], mask=x_mask, other=0.0)
-                sub_gain = tl.load(sub_gain_ptr + cols, mask=blk_mask, other=0.0)
-                xj = _sandwich_input(xj, sub, sub_gain[None], sub_rstd, SANDWICH)
-                first = x_mask & (x_rows == 0)[None, :, None, None] & ((offs_m * 0 + pid) == 0)[:, None, None, None]
-                tl.store(x_new_ptr + m_off * stride_xm + cols[None], xj, mask=first)
+            cols = zero_rows + (blk * BLOCK + WORDS * j)[None, :, None] + offs_i[None, None, :]
+            xj = tl.load(x_ptr + offs_m[:, None, None, None] * stride_xm + cols[None], mask=x_mask, other=0.0)
             xj = xj.to(tl.float32)
             if NORM:
                 sumsq += xj * xj
-                g = tl.load(nw_ptr + cols, mask=blk_mask, other=0.0)
+                g = tl.load(nw_ptr + cols, mask=(blk < n_blocks)[None, :, None], other=0.0)
                 xj = xj * g.to(tl.float32)[None]
             xsum += xj
             part += _blocked_f(cur, j)[None] * xj

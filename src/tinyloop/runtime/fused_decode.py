@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -54,17 +54,6 @@ class _Graph:
     output: ForwardOutput
     resume: tuple[torch.Tensor, torch.Tensor] | None = None
     nbytes: int = 0  # what the capture left allocated (counted in graph_bytes until evicted)
-
-
-@dataclass
-class _PostNorm:
-    """A sandwich layer's output not yet computed: rms_norm(sub, gain, eps, residual, mode). The next
-    layer's QKV matmul computes it in its prologue (ops.sandwich_linear); anything else materializes it."""
-
-    residual: torch.Tensor
-    sub: torch.Tensor
-    gain: torch.Tensor
-    mode: int
 
 
 def _device_memory_bytes(device: torch.device) -> int:
@@ -256,8 +245,9 @@ class FusedDecoder:
             B, T = tokens.shape
             if resume is None:
                 x = embed(w, cfg, tokens, eng.dtype).reshape(B * T, cfg.d_model)
-                slots = [prelude_slot(cfg, i) for i in range(len(w.prelude))]
-                p = self._layers(x, w.prelude, slots, cache, positions, T)
+                for i, lw in enumerate(w.prelude):
+                    x = self._layer(x, lw, cache, prelude_slot(cfg, i), positions, T)
+                p = x
                 s = initial_state(cfg, p, positions, eng.noise)
             else:
                 s = resume[0].reshape(B * T, cfg.d_model)
@@ -271,8 +261,8 @@ class FusedDecoder:
                     h = ops.fused_linear(torch.cat((s, p), dim=-1), w.adapter)
                 else:
                     h = s
-                slots = [body_slot(cfg, t, j) for j in range(len(w.body))]
-                h = self._layers(h, w.body, slots, cache, positions, T)
+                for j, lw in enumerate(w.body):
+                    h = self._layer(h, lw, cache, body_slot(cfg, t, j), positions, T)
                 if cfg.loop_norm == "every_loop":
                     assert w.final_norm is not None
                     h = ops.rms_norm(h, w.final_norm.weight, cfg.norm_eps)
@@ -283,8 +273,8 @@ class FusedDecoder:
             if cfg.loop_norm == "after_loop":
                 assert w.final_norm is not None
                 x = ops.rms_norm(x, w.final_norm.weight, cfg.norm_eps)
-            slots = [coda_slot(cfg, i) for i in range(len(w.coda))]
-            x = self._layers(x, w.coda, slots, cache, positions, T)
+            for i, lw in enumerate(w.coda):
+                x = self._layer(x, lw, cache, coda_slot(cfg, i), positions, T)
             rows = x.view(B, T, -1)[:, -1] if last_only else x
             head_norm = w.final_norm.weight if cfg.head_norm and w.final_norm is not None else None
             logits = ops.fused_linear(
@@ -310,42 +300,17 @@ class FusedDecoder:
             return gate_logit(self.engine.weights, s)
         return ops.fused_linear(s, self._gate_weight, bias=self._gate_bias, out_dtype=torch.float32).squeeze(-1)
 
-    def _materialize(self, x: torch.Tensor | _PostNorm) -> torch.Tensor:
-        if isinstance(x, torch.Tensor):
-            return x
-        return ops.rms_norm(x.sub, x.gain, self.cfg.norm_eps, x.residual, x.mode)
-
-    def _layers(
-        self,
-        x: torch.Tensor,
-        layers: Sequence[LayerWeights],
-        slots: list[int],
-        cache: KVCache,
-        positions: torch.Tensor,
-        T: int,
-    ) -> torch.Tensor:
-        """Consecutive layers; a sandwich layer's closing post-norm runs inside the next layer's first GEMV."""
-        h: torch.Tensor | _PostNorm = x
-        for lw, slot in zip(layers, slots, strict=True):
-            h = self._layer(h, lw, cache, slot, positions, T)
-        return self._materialize(h)
-
     def _layer(
-        self,
-        x_in: torch.Tensor | _PostNorm,
-        lw: LayerWeights,
-        cache: KVCache,
-        slot: int,
-        positions: torch.Tensor,
-        T: int,
-    ) -> torch.Tensor | _PostNorm:
+        self, x: torch.Tensor, lw: LayerWeights, cache: KVCache, slot: int, positions: torch.Tensor, T: int
+    ) -> torch.Tensor:
         cfg, eng = self.cfg, self.engine
-        qkv_kw: dict[str, Any] = dict(norm_weight=lw.attn_norm.weight, eps=cfg.norm_eps, bias=self._qkv_bias[id(lw)])
-        if isinstance(x_in, _PostNorm):
-            x, qkv = ops.sandwich_linear(x_in.residual, x_in.sub, x_in.gain, x_in.mode, lw.qkv, **qkv_kw)
-        else:
-            x = x_in
-            qkv = ops.fused_linear(x, lw.qkv, **qkv_kw)
+        qkv = ops.fused_linear(
+            x,
+            lw.qkv,
+            norm_weight=lw.attn_norm.weight,
+            eps=cfg.norm_eps,
+            bias=self._qkv_bias[id(lw)],
+        )
         k_cache, v_cache = cache.k[slot], cache.v[slot]
         if T == 1 and ROPE_ATTENTION_ONE_KERNEL:
             attn = ops.rope_attention(
@@ -366,20 +331,25 @@ class FusedDecoder:
             attn = out.transpose(1, 2).reshape(B * T, cfg.q_dim)
         return self._layer_rest(x, lw, attn)
 
-    def _layer_rest(self, x: torch.Tensor, lw: LayerWeights, attn: torch.Tensor) -> torch.Tensor | _PostNorm:
-        """Output projection + residual, then the MLP (norm + gate/up + activation, down + residual). Sandwich
-        layers fold the attention's post-norm into the gate/up GEMV and leave the MLP's to the caller."""
+    def _layer_rest(self, x: torch.Tensor, lw: LayerWeights, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection + residual, then the MLP (norm + gate/up + activation, down + residual)."""
         cfg = self.cfg
+        if cfg.norm_placement == "pre":
+            x = ops.fused_linear(attn, lw.out, residual=x)
+        else:
+            assert lw.attn_post_norm is not None
+            a = ops.fused_linear(attn, lw.out)
+            x = ops.rms_norm(
+                a, lw.attn_post_norm.weight, cfg.norm_eps, x, 1 if cfg.norm_placement == "sandwich_out" else 2
+            )
         act = ops.ACT_SWIGLU if lw.gate_up is not None else ops.ACT_GELU
         up = lw.gate_up if lw.gate_up is not None else lw.up
         assert up is not None
-        mlp_kw: dict[str, Any] = dict(norm_weight=lw.mlp_norm.weight, eps=cfg.norm_eps, act=act)
+        h = ops.fused_linear(x, up, norm_weight=lw.mlp_norm.weight, eps=cfg.norm_eps, act=act)
         if cfg.norm_placement == "pre":
-            x = ops.fused_linear(attn, lw.out, residual=x)
-            h = ops.fused_linear(x, up, **mlp_kw)
             return ops.fused_linear(h, lw.down, residual=x, into_residual=True)  # x is this layer's own
-        assert lw.attn_post_norm is not None and lw.mlp_post_norm is not None
-        mode = 1 if cfg.norm_placement == "sandwich_out" else 2
-        a = ops.fused_linear(attn, lw.out)
-        x, h = ops.sandwich_linear(x, a, lw.attn_post_norm.weight, mode, up, **mlp_kw)
-        return _PostNorm(x, ops.fused_linear(h, lw.down), lw.mlp_post_norm.weight, mode)
+        assert lw.mlp_post_norm is not None
+        m = ops.fused_linear(h, lw.down)
+        return ops.rms_norm(
+            m, lw.mlp_post_norm.weight, cfg.norm_eps, x, 1 if cfg.norm_placement == "sandwich_out" else 2
+        )
