@@ -105,13 +105,17 @@ def test_blocked_int4_gemv_matches_reference(dtype: torch.dtype, rows: int, grou
         assert frob_rel_error(got, ref) <= tol, kwargs
 
 
-@pytest.mark.parametrize("one_tile", [True, False])
+@pytest.mark.parametrize("variant", [(True, 1), (False, 1), (False, 2)])
 @pytest.mark.parametrize("tile", sorted({*ops.BLOCKED_TILES.values(), (4, 16, 4), (8, 8, 4), (4, 32, 8), (4, 2, 1)}))
-def test_blocked_int4_gemv_tiles(tile: tuple[int, int, int], one_tile: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_blocked_int4_gemv_tiles(
+    tile: tuple[int, int, int], variant: tuple[bool, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every built-in one-row tile (BLOCK_N, blocks per tile, warps) on a shape that leaves partial tiles of
     blocks (K = 5 blocks) and of features (N = 37), with the norm, SwiGLU and residual fused; a tile that
-    spans K with and without ONE_TILE (the prefetching loop), and 2-block tiles (3 loop steps)."""
-    monkeypatch.setattr(ops, "GEMV_ONE_TILE", one_tile)
+    spans K with and without ONE_TILE (the prefetching loop), 2-block tiles (3 loop steps), and the loop
+    fetching one or two tiles ahead."""
+    monkeypatch.setattr(ops, "GEMV_ONE_TILE", variant[0])
+    monkeypatch.setattr(ops, "GEMV_TILES_AHEAD", variant[1])
     gen = torch.Generator().manual_seed(sum(tile))
     K, N = 320, 37
     plain = quantize_int4(torch.randn(2 * N, K, generator=gen) / K**0.5, 64)

@@ -75,6 +75,8 @@ BLOCKED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
 # A GEMV tile spanning all of K skips the prefetch of a next tile (triton_matmul ONE_TILE; attention output
 # and down at their built-in tiles).
 GEMV_ONE_TILE = True
+# Tiles the GEMV fetches ahead of the one it multiplies (1 or 2; the loop's in-flight bytes per program).
+GEMV_TILES_AHEAD = 1
 # The same for the blocked INT4 split-K kernel: (N, K, rows) -> (BLOCK_N, BLOCK_M, BLOCK_K, num_warps).
 GEMM_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every tensor-core launch, or None: heuristic.
@@ -223,7 +225,8 @@ def _blocked_gemv(args: tuple, w: BlockedInt4Weight, flags: dict) -> torch.Tenso
     block_n, block_b, warps = _blocked_config(N, K, M)
     _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
         *args, K // 8, K // w.group_size, **flags, BLOCK=w.block, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
-        BLOCK_B=block_b, ONE_TILE=int(GEMV_ONE_TILE and K <= block_b * w.block), num_warps=warps, **_pdl(),
+        BLOCK_B=block_b, ONE_TILE=int(GEMV_ONE_TILE and K <= block_b * w.block), AHEAD=GEMV_TILES_AHEAD,
+        num_warps=warps, **_pdl(),
     )  # fmt: skip
     return out
 

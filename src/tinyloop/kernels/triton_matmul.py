@@ -298,6 +298,19 @@ def _load_blocked_tile(
 
 
 @triton.jit
+def _load_gemv_tile(w_ptr, s_ptr, m_ptr, rows, row_mask, N, blk, n_blocks, stride_w, stride_g, GROUP: tl.constexpr,
+                    BLOCK: tl.constexpr, ACT: tl.constexpr):  # fmt: skip
+    """The blocked tile of `rows` (and with SwiGLU, ACT 1, of the up rows N further on) at blocks `blk`."""
+    words, s, mn = _load_blocked_tile(w_ptr, s_ptr, m_ptr, rows, row_mask, blk, n_blocks, stride_w, stride_g, GROUP,
+                                      BLOCK)  # fmt: skip
+    words_up, s_up, mn_up = words, s, mn
+    if ACT == 1:
+        words_up, s_up, mn_up = _load_blocked_tile(w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk, n_blocks, stride_w,
+                                                   stride_g, GROUP, BLOCK)  # fmt: skip
+    return words, s, mn, words_up, s_up, mn_up
+
+
+@triton.jit
 def _gemv_blocked_int4_kernel(
     x_ptr,
     w_ptr,
@@ -327,13 +340,15 @@ def _gemv_blocked_int4_kernel(
     BLOCK_B: tl.constexpr,
     PDL: tl.constexpr,
     ONE_TILE: tl.constexpr = 0,
+    AHEAD: tl.constexpr = 1,
 ):
     """1..ROWS rows times an INT4 matrix in the blocked layout (quant.BlockedInt4Weight: word i of a
     BLOCK-column block holds column (BLOCK / 8) j + i), so a thread's consecutive words need consecutive x
     values for each nibble j and both load as vectors in the same register layout. Per block (one group):
     sum_k x_k q_k = 16 (sum_k x_k (1 + q_k / 16) - sum_k x_k), then scale and minimum once per block.
     ONE_TILE: the tile spans all of K, so there is no next tile to prefetch and the registers that would
-    hold it stay free: more programs fit on an SM, and all of their weight loads are in flight at once."""
+    hold it stay free: more programs fit on an SM, and all of their weight loads are in flight at once.
+    AHEAD: how many tiles are fetched ahead of the one being multiplied (1 or 2)."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -345,15 +360,15 @@ def _gemv_blocked_int4_kernel(
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_B), tl.float32)
     acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_B), tl.float32)
     sumsq = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
-    # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait.
+    # Weights never depend on earlier kernels: the first tile(s) are fetched before the grid-dependency wait.
     blk = tl.arange(0, BLOCK_B)
-    words, s, mn = _load_blocked_tile(
-        w_ptr, s_ptr, m_ptr, rows, row_mask, blk, n_blocks, stride_w, stride_g, GROUP, BLOCK
+    words, s, mn, words_up, s_up, mn_up = _load_gemv_tile(
+        w_ptr, s_ptr, m_ptr, rows, row_mask, N, blk, n_blocks, stride_w, stride_g, GROUP, BLOCK, ACT
     )
-    words_up, s_up, mn_up = words, s, mn
-    if ACT == 1:
-        words_up, s_up, mn_up = _load_blocked_tile(
-            w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk, n_blocks, stride_w, stride_g, GROUP, BLOCK
+    words2, s2, mn2, words_up2, s_up2, mn_up2 = words, s, mn, words_up, s_up, mn_up
+    if AHEAD == 2 and not ONE_TILE:
+        words2, s2, mn2, words_up2, s_up2, mn_up2 = _load_gemv_tile(
+            w_ptr, s_ptr, m_ptr, rows, row_mask, N, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP, BLOCK, ACT
         )
     _wait_for_previous_kernel(PDL)
     # x (and the norm gain) is read through pointers of the weight tile's full shape [rows, blocks, words]
@@ -364,13 +379,16 @@ def _gemv_blocked_int4_kernel(
         x_mask = m_mask[:, None, None, None] & (row_mask[:, None, None] & (blk < n_blocks)[None, :, None])[None]
         cur, cur_s, cur_mn, cur_up, cur_s_up, cur_mn_up = words, s, mn, words_up, s_up, mn_up
         if not ONE_TILE:
-            words, s, mn = _load_blocked_tile(
-                w_ptr, s_ptr, m_ptr, rows, row_mask, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP, BLOCK
-            )
-            if ACT == 1:
-                words_up, s_up, mn_up = _load_blocked_tile(
-                    w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP,
-                    BLOCK,
+            if AHEAD == 2:
+                words, s, mn, words_up, s_up, mn_up = words2, s2, mn2, words_up2, s_up2, mn_up2
+                words2, s2, mn2, words_up2, s_up2, mn_up2 = _load_gemv_tile(
+                    w_ptr, s_ptr, m_ptr, rows, row_mask, N, blk + 2 * BLOCK_B, n_blocks, stride_w, stride_g, GROUP,
+                    BLOCK, ACT,
+                )  # fmt: skip
+            else:
+                words, s, mn, words_up, s_up, mn_up = _load_gemv_tile(
+                    w_ptr, s_ptr, m_ptr, rows, row_mask, N, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP, BLOCK,
+                    ACT,
                 )  # fmt: skip
         part = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
         part_up = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
