@@ -163,6 +163,34 @@ def test_fused_linear_into_residual(rows: int) -> None:
     assert frob_rel_error(got, want.double()) <= 1e-6
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_scaled_handoff_between_gemvs(dtype: torch.dtype, rows: int) -> None:
+    """A GEMV with a residual hands its output times the next norm's gain to the next GEMV, which reads it
+    instead of multiplying per weight: the same products as without the handoff (exactly the same x * gain
+    values; only the sum of x^2 is taken in another order), and against float64. 5 rows: no handoff."""
+    if rows > ops.MATVEC_MAX_ROWS and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter multiplies bfloat16 tl.dot operands wrongly; checked on the GPU instead")
+    gen = torch.Generator().manual_seed(rows)
+    K, N = 320, 37
+    first = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(K, K, generator=gen) / K**0.5, 64))
+    plain = quantize_int4(torch.randn(2 * N, K, generator=gen) / K**0.5, 64)
+    second, dense = BlockedInt4Weight.from_int4(plain), plain.dequantize(torch.float64)
+    x, res = torch.randn(rows, K, generator=gen).to(dtype), (3 * torch.randn(rows, K, generator=gen)).to(dtype)
+    gain = (1 + 0.1 * torch.randn(K, generator=gen)).to(dtype)
+    h, scaled = ops.fused_linear_scaled(x, first, gain, residual=res)
+    assert torch.equal(h, ops.fused_linear(x, first, residual=res))
+    assert (scaled is None) == (rows > ops.MATVEC_MAX_ROWS)
+    if scaled is not None:
+        assert torch.equal(scaled, h.float() * gain.float())
+    kw = dict(norm_weight=gain, eps=1e-6, act=ops.ACT_SWIGLU)
+    got = ops.fused_linear(h, second, norm_input=scaled, **kw)  # type: ignore[arg-type]
+    want = ops.fused_linear(h, second, **kw)  # type: ignore[arg-type]
+    tol = {torch.float32: 1e-6, torch.bfloat16: 8e-3}[dtype]
+    assert frob_rel_error(got, want.double()) <= tol
+    assert frob_rel_error(got, reference(h.double(), dense, act=ops.ACT_SWIGLU, norm=gain.double())) <= 3 * tol + 1e-5
+
+
 def test_dequantize_int4_is_exact() -> None:
     raw = torch.randn(24, 256, generator=torch.Generator().manual_seed(1))
     q = quantize_int4(raw, 64)

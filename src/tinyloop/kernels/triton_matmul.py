@@ -131,7 +131,9 @@ def _epilogue(
     if RESIDUAL:
         r = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows[None, :], mask=mask, other=0.0).to(tl.float32)
         y = y.to(dt).to(tl.float32) + r
-    tl.store(out_ptr + offs_m[:, None] * stride_om + rows[None, :], y.to(dt), mask=mask)
+    y = y.to(dt)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + rows[None, :], y, mask=mask)
+    return y
 
 
 @triton.jit
@@ -329,6 +331,9 @@ def _gemv_blocked_int4_kernel(
     stride_rm,
     stride_w,
     stride_g,
+    xg_ptr,
+    gain_out_ptr,
+    xg_out_ptr,
     GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
     NORM: tl.constexpr,
@@ -341,6 +346,7 @@ def _gemv_blocked_int4_kernel(
     PDL: tl.constexpr,
     ONE_TILE: tl.constexpr = 0,
     AHEAD: tl.constexpr = 1,
+    SCALED_OUT: tl.constexpr = 0,
 ):
     """1..ROWS rows times an INT4 matrix in the blocked layout (quant.BlockedInt4Weight: word i of a
     BLOCK-column block holds column (BLOCK / 8) j + i), so a thread's consecutive words need consecutive x
@@ -348,7 +354,11 @@ def _gemv_blocked_int4_kernel(
     sum_k x_k q_k = 16 (sum_k x_k (1 + q_k / 16) - sum_k x_k), then scale and minimum once per block.
     ONE_TILE: the tile spans all of K, so there is no next tile to prefetch and the registers that would
     hold it stay free: more programs fit on an SM, and all of their weight loads are in flight at once.
-    AHEAD: how many tiles are fetched ahead of the one being multiplied (1 or 2)."""
+    AHEAD: how many tiles are fetched ahead of the one being multiplied (1 or 2).
+    NORM 1 multiplies x by the norm gain here, per weight; NORM 2 reads that product, x * gain in float32,
+    from xg (written by the kernel that produced x: SCALED_OUT) and only sums x^2 here, in a pass over x
+    after the loop. SCALED_OUT stores the rounded output times gain_out in float32 to xg_out, for a next
+    GEMV with NORM 2."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -395,9 +405,12 @@ def _gemv_blocked_int4_kernel(
         xsum = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
         for j in tl.static_range(8):
             cols = zero_rows + (blk * BLOCK + WORDS * j)[None, :, None] + offs_i[None, None, :]
-            xj = tl.load(x_ptr + offs_m[:, None, None, None] * stride_xm + cols[None], mask=x_mask, other=0.0)
-            xj = xj.to(tl.float32)
-            if NORM:
+            if NORM == 2:
+                xj = tl.load(xg_ptr + offs_m[:, None, None, None] * K + cols[None], mask=x_mask, other=0.0)
+            else:
+                xj = tl.load(x_ptr + offs_m[:, None, None, None] * stride_xm + cols[None], mask=x_mask, other=0.0)
+                xj = xj.to(tl.float32)
+            if NORM == 1:
                 sumsq += xj * xj
                 g = tl.load(nw_ptr + cols, mask=(blk < n_blocks)[None, :, None], other=0.0)
                 xj = xj * g.to(tl.float32)[None]
@@ -411,13 +424,21 @@ def _gemv_blocked_int4_kernel(
             acc_up += cur_s_up[None] * (16.0 * (tl.sum(part_up, axis=3) - xs)) + cur_mn_up[None] * xs
     y = tl.sum(acc, axis=2)
     y_up = tl.sum(acc_up, axis=2)
-    if NORM:
+    if NORM == 1:
         rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(sumsq, axis=3), axis=2) / K + eps)
         y = y * rstd
         y_up = y_up * rstd
-    _epilogue(
+    elif NORM == 2:
+        rstd = _row_rstd(x_ptr, stride_xm, offs_m, m_mask, K, eps, 1024)[:, None]
+        y = y * rstd
+        y_up = y_up * rstd
+    out = _epilogue(
         y, y_up, offs_m, m_mask, rows, row_mask, out_ptr, stride_om, res_ptr, stride_rm, b_ptr, BIAS, ACT, RESIDUAL
     )
+    if SCALED_OUT:
+        gain = tl.load(gain_out_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        dst = xg_out_ptr + offs_m[:, None] * N + rows[None, :]
+        tl.store(dst, out.to(tl.float32) * gain[None, :], mask=m_mask[:, None] & row_mask[None, :])
 
 
 @triton.jit
