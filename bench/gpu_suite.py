@@ -383,13 +383,20 @@ def chain_tiles_section() -> dict[str, Any]:
     return res
 
 
-GEMV_VARIANTS = {"one_tile, 1 ahead": (True, 1), "loop, 1 ahead": (False, 1), "one_tile, 2 ahead": (True, 2)}
+# (ONE_TILE, tiles ahead, scaled handoff)
+GEMV_VARIANTS = {
+    "one_tile, 1 ahead, handoff": (True, 1, True),
+    "no handoff": (True, 1, False),
+    "loop, 1 ahead": (False, 1, True),
+    "2 ahead": (True, 2, True),
+}
 
 
 def gemv_variants_section() -> dict[str, Any]:
-    """The GEMV's ONE_TILE (no prefetch of a next tile when the tile spans K) and tiles fetched ahead (1 or 2)
-    on seed-407m: 64 raw decode steps at 8 loops after a 128-token prompt, variants alternated three times,
-    and each variant's greedy tokens. The fastest applies to later sections."""
+    """The GEMV's ONE_TILE (no prefetch of a next tile when the tile spans K), tiles fetched ahead (1 or 2)
+    and the scaled handoff between GEMVs (cuda_ops.GEMV_SCALED_HANDOFF) on seed-407m: 64 raw decode steps
+    at 8 loops after a 128-token prompt, variants alternated three times, and each variant's greedy tokens.
+    The fastest applies to later sections."""
     wait_for_models(SEED_PATH)
     m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
     eng, loops, prompt_len = m._engine, 8, 128
@@ -407,14 +414,14 @@ def gemv_variants_section() -> dict[str, Any]:
     ms: dict[str, list[float]] = {name: [] for name in GEMV_VARIANTS}
     tokens = {}
     for _ in range(3):
-        for name, (one_tile, ahead) in GEMV_VARIANTS.items():
-            cuda_ops.GEMV_ONE_TILE, cuda_ops.GEMV_TILES_AHEAD = one_tile, ahead
+        for name, (one_tile, ahead, handoff) in GEMV_VARIANTS.items():
+            cuda_ops.GEMV_ONE_TILE, cuda_ops.GEMV_TILES_AHEAD, cuda_ops.GEMV_SCALED_HANDOFF = one_tile, ahead, handoff
             decoder._graphs.clear()  # type: ignore[union-attr]
             raw()
             ms[name].append(1e3 * statistics.median(timed(raw, 5)))
             tokens[name] = [int(t) for t in m.generate(prompt[0].numpy(), 32, loops=8, temperature=0.0)]
     best = min(ms, key=lambda name: statistics.median(ms[name]))
-    cuda_ops.GEMV_ONE_TILE, cuda_ops.GEMV_TILES_AHEAD = GEMV_VARIANTS[best]
+    cuda_ops.GEMV_ONE_TILE, cuda_ops.GEMV_TILES_AHEAD, cuda_ops.GEMV_SCALED_HANDOFF = GEMV_VARIANTS[best]
     res = {"ms": ms, "best": best, "identical_tokens": len({tuple(t) for t in tokens.values()}) == 1}
     print("gemv variants", res, flush=True)
     m.close()
