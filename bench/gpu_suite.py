@@ -316,11 +316,9 @@ def sweep_section() -> dict[str, Any]:
     return res
 
 
-# The session-6 winners (x in the weight tile's layout, one weight row per thread) and X_SHARED tiles, which
-# give each thread 2-4 weight rows of the same columns and convert x once for them.
-CHAIN_CANDIDATES = [(8, 8, 4), (4, 32, 8), (2, 32, 4), (4, 8, 2), (16, 8, 4), (16, 8, 4, 1), (32, 8, 4, 1),
-                    (16, 16, 4, 1), (32, 8, 8, 1), (16, 8, 2, 1), (8, 8, 1, 1), (64, 8, 8, 1),
-                    (16, 32, 8, 1)]  # fmt: skip
+# The session-6 and session-7 winners and their neighbours (more or fewer rows, blocks, warps).
+CHAIN_CANDIDATES = [(8, 8, 4), (4, 32, 8), (2, 32, 4), (4, 8, 2), (4, 16, 4), (2, 8, 1), (4, 8, 4), (8, 32, 8),
+                    (2, 16, 2)]  # fmt: skip
 
 
 def chain_tiles_section() -> dict[str, Any]:
@@ -379,57 +377,6 @@ def chain_tiles_section() -> dict[str, Any]:
     res["chosen_ms"] = decode_ms()
     res["chosen"] = {str(k): v for k, v in cuda_ops.BLOCKED_CONFIGS.items()}
     m.close()
-    torch.cuda.empty_cache()
-    return res
-
-
-# (ONE_TILE, tiles ahead, scaled handoff)
-GEMV_VARIANTS = {
-    "one_tile, 1 ahead, handoff": (True, 1, True),
-    "no handoff": (True, 1, False),
-    "loop, 1 ahead": (False, 1, True),
-    "2 ahead": (True, 2, True),
-}
-
-
-def gemv_variants_section() -> dict[str, Any]:
-    """The GEMV's ONE_TILE (no prefetch of a next tile when the tile spans K), tiles fetched ahead (1 or 2)
-    and the scaled handoff between GEMVs (cuda_ops.GEMV_SCALED_HANDOFF) on seed-407m: 64 raw decode steps
-    at 8 loops after a 128-token prompt, variants alternated three times (a fresh model each: its graphs
-    are captured with the variant), and each variant's greedy tokens. The fastest applies to later
-    sections."""
-    wait_for_models(SEED_PATH)
-    prompt = torch.as_tensor(np.random.default_rng(4).integers(0, 32000, (1, 128)), dtype=torch.long)
-    tok = torch.tensor([[5]])
-
-    def measure() -> tuple[float, list[int]]:
-        m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
-        eng, loops = m._engine, 8
-        cache = eng.new_cache(1, 260, loops)
-        eng.step(prompt, cache, loops, last_only=True)
-
-        def raw() -> None:
-            cache.truncate(128)
-            for _ in range(64):
-                eng.step(tok, cache, loops, last_only=True)
-
-        raw()
-        ms = 1e3 * statistics.median(timed(raw, 5))
-        tokens = [int(t) for t in m.generate(prompt[0].numpy(), 32, loops=8, temperature=0.0)]
-        m.close()
-        return ms, tokens
-
-    ms: dict[str, list[float]] = {name: [] for name in GEMV_VARIANTS}
-    tokens = {}
-    for _ in range(3):
-        for name, (one_tile, ahead, handoff) in GEMV_VARIANTS.items():
-            cuda_ops.GEMV_ONE_TILE, cuda_ops.GEMV_TILES_AHEAD, cuda_ops.GEMV_SCALED_HANDOFF = one_tile, ahead, handoff
-            t, tokens[name] = measure()
-            ms[name].append(t)
-    best = min(ms, key=lambda name: statistics.median(ms[name]))
-    cuda_ops.GEMV_ONE_TILE, cuda_ops.GEMV_TILES_AHEAD, cuda_ops.GEMV_SCALED_HANDOFF = GEMV_VARIANTS[best]
-    res = {"ms": ms, "best": best, "identical_tokens": len({tuple(t) for t in tokens.values()}) == 1}
-    print("gemv variants", res, flush=True)
     torch.cuda.empty_cache()
     return res
 
@@ -858,7 +805,6 @@ SECTIONS = {
     "speculative": speculative_section,
     "chain_tiles": chain_tiles_section,
     "pdl_early": pdl_early_section,
-    "gemv_variants": gemv_variants_section,
 }
 
 

@@ -72,13 +72,6 @@ BLOCKED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
     (2048, 5632): (4, 32, 8),  # down
     (32000, 2048): (4, 8, 2),  # head
 }
-# A GEMV tile spanning all of K skips the prefetch of a next tile (triton_matmul ONE_TILE; attention output
-# and down at their built-in tiles).
-GEMV_ONE_TILE = True
-# Decode GEMVs hand the next norm's input times its gain to the next GEMV (fused_linear_scaled).
-GEMV_SCALED_HANDOFF = True
-# Tiles the GEMV fetches ahead of the one it multiplies (1 or 2; the loop's in-flight bytes per program).
-GEMV_TILES_AHEAD = 1
 # The same for the blocked INT4 split-K kernel: (N, K, rows) -> (BLOCK_N, BLOCK_M, BLOCK_K, num_warps).
 GEMM_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every tensor-core launch, or None: heuristic.
@@ -169,16 +162,12 @@ def fused_linear(
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     into_residual: bool = False,
-    norm_input: torch.Tensor | None = None,
-    scaled_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """act(rmsnorm(x) @ w.T + bias) + residual for x [M, K] (row-contiguous), in one kernel where it pays.
 
     With act=ACT_SWIGLU the weight holds [gate; up] rows and the result has half as many features.
     into_residual: the result overwrites `residual` (which the caller no longer needs), which spares cuBLAS
-    the copy of the residual into a fresh output. norm_input: x * norm_weight in float32 [M, K], if the
-    caller has it (`fused_linear_scaled`); the decode GEMV then reads it instead of multiplying per weight.
-    scaled_out: (gain, buffer) for `fused_linear_scaled` only.
+    the copy of the residual into a fresh output.
     """
     M, K = x.shape
     n_total = w.shape[0]
@@ -207,9 +196,7 @@ def fused_linear(
     if isinstance(w, BlockedInt4Weight):
         del flags["INT4"]
         if M <= MATVEC_MAX_ROWS:
-            if norm_input is not None and norm_weight is not None:
-                flags["NORM"] = 2
-            return _blocked_gemv(args, w, flags, norm_input, scaled_out)
+            return _blocked_gemv(args, w, flags)
         return _splitk_linear(x, w, nw, eps, flags, out, res, b)
     if M <= MATVEC_MAX_ROWS:
         block_n, block_k, warps = _matvec_config(N, K, M, group)
@@ -227,39 +214,15 @@ def fused_linear(
     return out
 
 
-def _blocked_gemv(
-    args: tuple,
-    w: BlockedInt4Weight,
-    flags: dict,
-    norm_input: torch.Tensor | None = None,
-    scaled_out: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
+def _blocked_gemv(args: tuple, w: BlockedInt4Weight, flags: dict) -> torch.Tensor:
     """`_gemv_blocked_int4_kernel` on fused_linear's arguments."""
-    x, out, M, N, K = args[0], args[4], args[8], args[9], args[10]
+    out, M, N, K = args[4], args[8], args[9], args[10]
     block_n, block_b, warps = _blocked_config(N, K, M)
-    xg = norm_input if flags["NORM"] == 2 else x
-    gain, xg_out = scaled_out if scaled_out is not None else (x, x)
     _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
-        *args, K // 8, K // w.group_size, xg, gain, xg_out, **flags, BLOCK=w.block, ROWS=triton.next_power_of_2(M),
-        BLOCK_N=block_n, BLOCK_B=block_b, ONE_TILE=int(GEMV_ONE_TILE and K <= block_b * w.block),
-        AHEAD=GEMV_TILES_AHEAD, SCALED_OUT=int(scaled_out is not None), num_warps=warps, **_pdl(),
+        *args, K // 8, K // w.group_size, **flags, BLOCK=w.block, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
+        BLOCK_B=block_b, num_warps=warps, **_pdl(),
     )  # fmt: skip
     return out
-
-
-def fused_linear_scaled(
-    x: torch.Tensor, w: Weight, gain: torch.Tensor, **kwargs: object
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fused_linear(x, w, **kwargs), and where the decode GEMV computes it (blocked INT4, 1-4 rows) also the
-    result times `gain` in float32: the next GEMV's norm input (`norm_input`) when `gain` is its norm
-    weight. The GEMV then skips its per-weight gain multiply (x is its norm's input, the product its
-    operand). None where another kernel runs."""
-    M = x.shape[0]
-    plain_out = kwargs.get("out_dtype") is None and kwargs.get("act", ACT_NONE) != ACT_SWIGLU
-    if not (GEMV_SCALED_HANDOFF and isinstance(w, BlockedInt4Weight) and M <= MATVEC_MAX_ROWS and plain_out):
-        return fused_linear(x, w, **kwargs), None  # type: ignore[arg-type]
-    xg = torch.empty((M, w.shape[0]), dtype=torch.float32, device=x.device)
-    return fused_linear(x, w, scaled_out=(gain, xg), **kwargs), xg  # type: ignore[arg-type]
 
 
 def _splitk_linear(

@@ -131,9 +131,7 @@ def _epilogue(
     if RESIDUAL:
         r = tl.load(res_ptr + offs_m[:, None] * stride_rm + rows[None, :], mask=mask, other=0.0).to(tl.float32)
         y = y.to(dt).to(tl.float32) + r
-    y = y.to(dt)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + rows[None, :], y, mask=mask)
-    return y
+    tl.store(out_ptr + offs_m[:, None] * stride_om + rows[None, :], y.to(dt), mask=mask)
 
 
 @triton.jit
@@ -300,19 +298,6 @@ def _load_blocked_tile(
 
 
 @triton.jit
-def _load_gemv_tile(w_ptr, s_ptr, m_ptr, rows, row_mask, N, blk, n_blocks, stride_w, stride_g, GROUP: tl.constexpr,
-                    BLOCK: tl.constexpr, ACT: tl.constexpr):  # fmt: skip
-    """The blocked tile of `rows` (and with SwiGLU, ACT 1, of the up rows N further on) at blocks `blk`."""
-    words, s, mn = _load_blocked_tile(w_ptr, s_ptr, m_ptr, rows, row_mask, blk, n_blocks, stride_w, stride_g, GROUP,
-                                      BLOCK)  # fmt: skip
-    words_up, s_up, mn_up = words, s, mn
-    if ACT == 1:
-        words_up, s_up, mn_up = _load_blocked_tile(w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk, n_blocks, stride_w,
-                                                   stride_g, GROUP, BLOCK)  # fmt: skip
-    return words, s, mn, words_up, s_up, mn_up
-
-
-@triton.jit
 def _gemv_blocked_int4_kernel(
     x_ptr,
     w_ptr,
@@ -331,9 +316,6 @@ def _gemv_blocked_int4_kernel(
     stride_rm,
     stride_w,
     stride_g,
-    xg_ptr,
-    gain_out_ptr,
-    xg_out_ptr,
     GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
     NORM: tl.constexpr,
@@ -344,21 +326,11 @@ def _gemv_blocked_int4_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
     PDL: tl.constexpr,
-    ONE_TILE: tl.constexpr = 0,
-    AHEAD: tl.constexpr = 1,
-    SCALED_OUT: tl.constexpr = 0,
 ):
     """1..ROWS rows times an INT4 matrix in the blocked layout (quant.BlockedInt4Weight: word i of a
     BLOCK-column block holds column (BLOCK / 8) j + i), so a thread's consecutive words need consecutive x
     values for each nibble j and both load as vectors in the same register layout. Per block (one group):
-    sum_k x_k q_k = 16 (sum_k x_k (1 + q_k / 16) - sum_k x_k), then scale and minimum once per block.
-    ONE_TILE: the tile spans all of K, so there is no next tile to prefetch and the registers that would
-    hold it stay free: more programs fit on an SM, and all of their weight loads are in flight at once.
-    AHEAD: how many tiles are fetched ahead of the one being multiplied (1 or 2).
-    NORM 1 multiplies x by the norm gain here, per weight; NORM 2 reads that product, x * gain in float32,
-    from xg (written by the kernel that produced x: SCALED_OUT) and only sums x^2 here, in a pass over x
-    after the loop. SCALED_OUT stores the rounded output times gain_out in float32 to xg_out, for a next
-    GEMV with NORM 2."""
+    sum_k x_k q_k = 16 (sum_k x_k (1 + q_k / 16) - sum_k x_k), then scale and minimum once per block."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -370,15 +342,15 @@ def _gemv_blocked_int4_kernel(
     acc = tl.zeros((ROWS, BLOCK_N, BLOCK_B), tl.float32)
     acc_up = tl.zeros((ROWS, BLOCK_N, BLOCK_B), tl.float32)
     sumsq = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
-    # Weights never depend on earlier kernels: the first tile(s) are fetched before the grid-dependency wait.
+    # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait.
     blk = tl.arange(0, BLOCK_B)
-    words, s, mn, words_up, s_up, mn_up = _load_gemv_tile(
-        w_ptr, s_ptr, m_ptr, rows, row_mask, N, blk, n_blocks, stride_w, stride_g, GROUP, BLOCK, ACT
+    words, s, mn = _load_blocked_tile(
+        w_ptr, s_ptr, m_ptr, rows, row_mask, blk, n_blocks, stride_w, stride_g, GROUP, BLOCK
     )
-    words2, s2, mn2, words_up2, s_up2, mn_up2 = words, s, mn, words_up, s_up, mn_up
-    if AHEAD == 2 and not ONE_TILE:
-        words2, s2, mn2, words_up2, s_up2, mn_up2 = _load_gemv_tile(
-            w_ptr, s_ptr, m_ptr, rows, row_mask, N, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP, BLOCK, ACT
+    words_up, s_up, mn_up = words, s, mn
+    if ACT == 1:
+        words_up, s_up, mn_up = _load_blocked_tile(
+            w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk, n_blocks, stride_w, stride_g, GROUP, BLOCK
         )
     _wait_for_previous_kernel(PDL)
     # x (and the norm gain) is read through pointers of the weight tile's full shape [rows, blocks, words]
@@ -388,29 +360,21 @@ def _gemv_blocked_int4_kernel(
         blk = kb + tl.arange(0, BLOCK_B)
         x_mask = m_mask[:, None, None, None] & (row_mask[:, None, None] & (blk < n_blocks)[None, :, None])[None]
         cur, cur_s, cur_mn, cur_up, cur_s_up, cur_mn_up = words, s, mn, words_up, s_up, mn_up
-        if not ONE_TILE:
-            if AHEAD == 2:
-                words, s, mn, words_up, s_up, mn_up = words2, s2, mn2, words_up2, s_up2, mn_up2
-                words2, s2, mn2, words_up2, s_up2, mn_up2 = _load_gemv_tile(
-                    w_ptr, s_ptr, m_ptr, rows, row_mask, N, blk + 2 * BLOCK_B, n_blocks, stride_w, stride_g, GROUP,
-                    BLOCK, ACT,
-                )  # fmt: skip
-            else:
-                words, s, mn, words_up, s_up, mn_up = _load_gemv_tile(
-                    w_ptr, s_ptr, m_ptr, rows, row_mask, N, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP, BLOCK,
-                    ACT,
-                )  # fmt: skip
+        words, s, mn = _load_blocked_tile(
+            w_ptr, s_ptr, m_ptr, rows, row_mask, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP, BLOCK
+        )
+        if ACT == 1:
+            words_up, s_up, mn_up = _load_blocked_tile(
+                w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk + BLOCK_B, n_blocks, stride_w, stride_g, GROUP, BLOCK
+            )
         part = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
         part_up = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
         xsum = tl.zeros((ROWS, BLOCK_N, BLOCK_B, WORDS), tl.float32)
         for j in tl.static_range(8):
             cols = zero_rows + (blk * BLOCK + WORDS * j)[None, :, None] + offs_i[None, None, :]
-            if NORM == 2:
-                xj = tl.load(xg_ptr + offs_m[:, None, None, None] * K + cols[None], mask=x_mask, other=0.0)
-            else:
-                xj = tl.load(x_ptr + offs_m[:, None, None, None] * stride_xm + cols[None], mask=x_mask, other=0.0)
-                xj = xj.to(tl.float32)
-            if NORM == 1:
+            xj = tl.load(x_ptr + offs_m[:, None, None, None] * stride_xm + cols[None], mask=x_mask, other=0.0)
+            xj = xj.to(tl.float32)
+            if NORM:
                 sumsq += xj * xj
                 g = tl.load(nw_ptr + cols, mask=(blk < n_blocks)[None, :, None], other=0.0)
                 xj = xj * g.to(tl.float32)[None]
@@ -424,21 +388,13 @@ def _gemv_blocked_int4_kernel(
             acc_up += cur_s_up[None] * (16.0 * (tl.sum(part_up, axis=3) - xs)) + cur_mn_up[None] * xs
     y = tl.sum(acc, axis=2)
     y_up = tl.sum(acc_up, axis=2)
-    if NORM == 1:
+    if NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(sumsq, axis=3), axis=2) / K + eps)
         y = y * rstd
         y_up = y_up * rstd
-    elif NORM == 2:
-        rstd = _row_rstd(x_ptr, stride_xm, offs_m, m_mask, K, eps, 1024)[:, None]
-        y = y * rstd
-        y_up = y_up * rstd
-    out = _epilogue(
+    _epilogue(
         y, y_up, offs_m, m_mask, rows, row_mask, out_ptr, stride_om, res_ptr, stride_rm, b_ptr, BIAS, ACT, RESIDUAL
     )
-    if SCALED_OUT:
-        gain = tl.load(gain_out_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        dst = xg_out_ptr + offs_m[:, None] * N + rows[None, :]
-        tl.store(dst, out.to(tl.float32) * gain[None, :], mask=m_mask[:, None] & row_mask[None, :])
 
 
 @triton.jit

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -245,8 +245,9 @@ class FusedDecoder:
             B, T = tokens.shape
             if resume is None:
                 x = embed(w, cfg, tokens, eng.dtype).reshape(B * T, cfg.d_model)
-                slots = [prelude_slot(cfg, i) for i in range(len(w.prelude))]
-                p = self._layers(x, w.prelude, slots, cache, positions, T)
+                for i, lw in enumerate(w.prelude):
+                    x = self._layer(x, lw, cache, prelude_slot(cfg, i), positions, T)
+                p = x
                 s = initial_state(cfg, p, positions, eng.noise)
             else:
                 s = resume[0].reshape(B * T, cfg.d_model)
@@ -260,8 +261,8 @@ class FusedDecoder:
                     h = ops.fused_linear(torch.cat((s, p), dim=-1), w.adapter)
                 else:
                     h = s
-                slots = [body_slot(cfg, t, j) for j in range(len(w.body))]
-                h = self._layers(h, w.body, slots, cache, positions, T)
+                for j, lw in enumerate(w.body):
+                    h = self._layer(h, lw, cache, body_slot(cfg, t, j), positions, T)
                 if cfg.loop_norm == "every_loop":
                     assert w.final_norm is not None
                     h = ops.rms_norm(h, w.final_norm.weight, cfg.norm_eps)
@@ -272,8 +273,8 @@ class FusedDecoder:
             if cfg.loop_norm == "after_loop":
                 assert w.final_norm is not None
                 x = ops.rms_norm(x, w.final_norm.weight, cfg.norm_eps)
-            slots = [coda_slot(cfg, i) for i in range(len(w.coda))]
-            x = self._layers(x, w.coda, slots, cache, positions, T)
+            for i, lw in enumerate(w.coda):
+                x = self._layer(x, lw, cache, coda_slot(cfg, i), positions, T)
             rows = x.view(B, T, -1)[:, -1] if last_only else x
             head_norm = w.final_norm.weight if cfg.head_norm and w.final_norm is not None else None
             logits = ops.fused_linear(
@@ -299,36 +300,9 @@ class FusedDecoder:
             return gate_logit(self.engine.weights, s)
         return ops.fused_linear(s, self._gate_weight, bias=self._gate_bias, out_dtype=torch.float32).squeeze(-1)
 
-    def _layers(
-        self,
-        x: torch.Tensor,
-        layers: Sequence[LayerWeights],
-        slots: list[int],
-        cache: KVCache,
-        positions: torch.Tensor,
-        T: int,
-    ) -> torch.Tensor:
-        """Consecutive layers. Each hands the next its output times the next's attention-norm gain where the
-        decode GEMV can produce it (ops.fused_linear_scaled), so the next QKV GEMV skips that multiply."""
-        scaled: torch.Tensor | None = None
-        for i, (lw, slot) in enumerate(zip(layers, slots, strict=True)):
-            next_gain = layers[i + 1].attn_norm.weight if i + 1 < len(layers) else None
-            x, scaled = self._layer(x, scaled, lw, cache, slot, positions, T, next_gain)
-        return x
-
     def _layer(
-        self,
-        x: torch.Tensor,
-        scaled: torch.Tensor | None,
-        lw: LayerWeights,
-        cache: KVCache,
-        slot: int,
-        positions: torch.Tensor,
-        T: int,
-        next_gain: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One layer; `scaled` is x times this layer's attention-norm gain (float32) if the previous layer
-        produced it. Returns the output and, given `next_gain`, the output times it where available."""
+        self, x: torch.Tensor, lw: LayerWeights, cache: KVCache, slot: int, positions: torch.Tensor, T: int
+    ) -> torch.Tensor:
         cfg, eng = self.cfg, self.engine
         qkv = ops.fused_linear(
             x,
@@ -336,7 +310,6 @@ class FusedDecoder:
             norm_weight=lw.attn_norm.weight,
             eps=cfg.norm_eps,
             bias=self._qkv_bias[id(lw)],
-            norm_input=scaled,
         )
         k_cache, v_cache = cache.k[slot], cache.v[slot]
         if T == 1 and ROPE_ATTENTION_ONE_KERNEL:
@@ -344,7 +317,7 @@ class FusedDecoder:
                 qkv, k_cache, v_cache, positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                 cfg.rope_pairing == "interleaved",
             )  # fmt: skip
-            return self._layer_rest(x, lw, attn, next_gain)
+            return self._layer_rest(x, lw, attn)
         q = ops.rope_store(
             qkv, k_cache, v_cache, positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, T,
             cfg.rope_pairing == "interleaved",
@@ -356,24 +329,27 @@ class FusedDecoder:
             qh = q.view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
             out = sdpa(qh, k_cache[:, :, :T], v_cache[:, :, :T], causal=True, gqa=cfg.n_heads != cfg.n_kv_heads)
             attn = out.transpose(1, 2).reshape(B * T, cfg.q_dim)
-        return self._layer_rest(x, lw, attn, next_gain)
+        return self._layer_rest(x, lw, attn)
 
-    def _layer_rest(
-        self, x: torch.Tensor, lw: LayerWeights, attn: torch.Tensor, next_gain: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _layer_rest(self, x: torch.Tensor, lw: LayerWeights, attn: torch.Tensor) -> torch.Tensor:
         """Output projection + residual, then the MLP (norm + gate/up + activation, down + residual)."""
         cfg = self.cfg
+        if cfg.norm_placement == "pre":
+            x = ops.fused_linear(attn, lw.out, residual=x)
+        else:
+            assert lw.attn_post_norm is not None
+            a = ops.fused_linear(attn, lw.out)
+            x = ops.rms_norm(
+                a, lw.attn_post_norm.weight, cfg.norm_eps, x, 1 if cfg.norm_placement == "sandwich_out" else 2
+            )
         act = ops.ACT_SWIGLU if lw.gate_up is not None else ops.ACT_GELU
         up = lw.gate_up if lw.gate_up is not None else lw.up
         assert up is not None
-        if cfg.norm_placement == "pre":
-            x, scaled = ops.fused_linear_scaled(attn, lw.out, lw.mlp_norm.weight, residual=x)
-            h = ops.fused_linear(x, up, norm_weight=lw.mlp_norm.weight, eps=cfg.norm_eps, act=act, norm_input=scaled)
-            if next_gain is None:
-                return ops.fused_linear(h, lw.down, residual=x, into_residual=True), None  # x is this layer's own
-            return ops.fused_linear_scaled(h, lw.down, next_gain, residual=x, into_residual=True)
-        assert lw.attn_post_norm is not None and lw.mlp_post_norm is not None
-        mode = 1 if cfg.norm_placement == "sandwich_out" else 2
-        x = ops.rms_norm(ops.fused_linear(attn, lw.out), lw.attn_post_norm.weight, cfg.norm_eps, x, mode)
         h = ops.fused_linear(x, up, norm_weight=lw.mlp_norm.weight, eps=cfg.norm_eps, act=act)
-        return ops.rms_norm(ops.fused_linear(h, lw.down), lw.mlp_post_norm.weight, cfg.norm_eps, x, mode), None
+        if cfg.norm_placement == "pre":
+            return ops.fused_linear(h, lw.down, residual=x, into_residual=True)  # x is this layer's own
+        assert lw.mlp_post_norm is not None
+        m = ops.fused_linear(h, lw.down)
+        return ops.rms_norm(
+            m, lw.mlp_post_norm.weight, cfg.norm_eps, x, 1 if cfg.norm_placement == "sandwich_out" else 2
+        )
