@@ -60,14 +60,16 @@ MATVEC_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 # The same for the blocked-layout INT4 GEMV: (N, K, rows) -> (BLOCK_N, blocks per tile, num_warps).
 BLOCKED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 # One-row (decode) tiles of the blocked GEMV for d_model 2048 / ffn 5632 matrices (seed-407m, Ouro-1.4B),
-# (N, K) -> tile, chosen in the model's own kernel chain (bench/gpu_suite.py chain_tiles, coordinate descent
-# over 13 tiles per matrix, H200, bench/results/h200_session7_a.json): alone, one shape timed back to back,
-# most tiles tie within a few percent, but within a decode step, where each GEMV follows a different
-# kernel, the best tile of one matrix depends on its neighbours'. Session 7's set took 64 tokens at 8
-# loops after a 128-token prompt from 97.3 ms (session 6's tiles) to 89.0 ms with the attention tile above.
+# (N, K) -> tile, chosen in the model's own kernel chain (bench/gpu_suite.py chain_tiles: coordinate descent,
+# each matrix's tile timed as seed-407m's decode of 64 tokens at 8 loops after a 128-token prompt; H200,
+# bench/results/h200_session7_a.json, confirmed by h200_session7_final.json): alone, one shape timed back to
+# back, most tiles tie within a few percent, but within a decode step, where each GEMV follows a different
+# kernel, the best tile of one matrix depends on its neighbours'. With the attention tile above, session 7's
+# set took those 64 tokens from 97.3 ms (session 6's tiles) to 84.5-89.0 ms; the attention output's tile
+# ties with (4, 32, 8) and (2, 32, 4) within 0.4 %.
 BLOCKED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
     (6144, 2048): (4, 8, 2),  # qkv
-    (2048, 2048): (4, 32, 8),  # attention output
+    (2048, 2048): (4, 16, 4),  # attention output
     (5632, 2048): (4, 8, 2),  # gate / up (SwiGLU: 2 weight rows per output feature)
     (2048, 5632): (4, 32, 8),  # down
     (32000, 2048): (4, 8, 2),  # head
