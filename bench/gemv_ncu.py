@@ -1,0 +1,34 @@
+"""One seed-407m decode GEMV per shape for Nsight Compute: `ncu --kernel-name regex:_gemv_blocked
+--launch-skip 2 python bench/gemv_ncu.py` profiles qkv (norm) and gate / up (norm + SwiGLU) at the built-in
+tiles, with weights streamed from DRAM (a different random copy per call)."""
+
+from __future__ import annotations
+
+import torch
+
+from tinyloop.kernels import cuda_ops
+from tinyloop.quant import BlockedInt4Weight
+
+
+def main() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n_rows, act in ((6144, cuda_ops.ACT_NONE), (2 * 5632, cuda_ops.ACT_SWIGLU)):
+        k = 2048
+        copies = [
+            BlockedInt4Weight(
+                torch.randint(0, 256, (n_rows, k // 2), dtype=torch.uint8, device="cuda", generator=gen),
+                (torch.rand(n_rows, k // 64, device="cuda", generator=gen) * 0.01).half(),
+                (torch.rand(n_rows, k // 64, device="cuda", generator=gen) * -0.05).half(),
+                64,
+            )
+            for _ in range(8)
+        ]
+        x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
+        gain = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).bfloat16()
+        for w in copies:
+            cuda_ops.fused_linear(x, w, norm_weight=gain, eps=1e-6, act=act)
+        torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
