@@ -381,6 +381,47 @@ def chain_tiles_section() -> dict[str, Any]:
     return res
 
 
+def maxnreg_section() -> dict[str, Any]:
+    """The decode GEMV under register caps (cuda_ops.GEMV_MAX_REGISTERS): seed-407m, 64 raw decode steps at 8
+    loops after a 128-token prompt, a fresh model per setting (graphs captured with it), settings alternated
+    twice, and greedy tokens. The fastest applies to later sections."""
+    wait_for_models(SEED_PATH)
+    prompt = torch.as_tensor(np.random.default_rng(4).integers(0, 32000, (1, 128)), dtype=torch.long)
+    tok = torch.tensor([[5]])
+
+    def measure() -> tuple[float, list[int]]:
+        m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
+        eng, loops = m._engine, 8
+        cache = eng.new_cache(1, 260, loops)
+        eng.step(prompt, cache, loops, last_only=True)
+
+        def raw() -> None:
+            cache.truncate(128)
+            for _ in range(64):
+                eng.step(tok, cache, loops, last_only=True)
+
+        raw()
+        ms = 1e3 * statistics.median(timed(raw, 5))
+        tokens = [int(t) for t in m.generate(prompt[0].numpy(), 32, loops=8, temperature=0.0)]
+        m.close()
+        return ms, tokens
+
+    settings = [None, 80, 72, 64]
+    ms: dict[str, list[float]] = {str(c): [] for c in settings}
+    tokens = {}
+    for _ in range(2):
+        for cap in settings:
+            cuda_ops.GEMV_MAX_REGISTERS = cap
+            t, tokens[str(cap)] = measure()
+            ms[str(cap)].append(t)
+    best = min(ms, key=lambda c: statistics.median(ms[c]))
+    cuda_ops.GEMV_MAX_REGISTERS = None if best == "None" else int(best)
+    res = {"ms": ms, "best": best, "identical_tokens": len({tuple(t) for t in tokens.values()}) == 1}
+    print("maxnreg", res, flush=True)
+    torch.cuda.empty_cache()
+    return res
+
+
 def pdl_early_section() -> dict[str, Any]:
     """Each kernel letting the next one launch before its own PDL wait (cuda_ops.PDL_EARLY_LAUNCH) against
     launching it after: seed-407m greedy tokens and decode time, then the seed407m numbers with it where it
@@ -805,6 +846,7 @@ SECTIONS = {
     "speculative": speculative_section,
     "chain_tiles": chain_tiles_section,
     "pdl_early": pdl_early_section,
+    "maxnreg": maxnreg_section,
 }
 
 

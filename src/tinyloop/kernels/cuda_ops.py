@@ -74,6 +74,10 @@ BLOCKED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
     (2048, 5632): (4, 32, 8),  # down
     (32000, 2048): (4, 8, 2),  # head
 }
+# Register cap for the decode GEMV (ptxas maxnreg), or None. Nsight Compute on the H200 (session 7,
+# bench/gemv_ncu.py): the (4, 8, 2) tile took 89 registers, so 10 programs fit an SM and seed-407m's QKV GEMV
+# (1,536 programs) ran in 1.16 waves with 70 % of issue slots used while active.
+GEMV_MAX_REGISTERS: int | None = None
 # The same for the blocked INT4 split-K kernel: (N, K, rows) -> (BLOCK_N, BLOCK_M, BLOCK_K, num_warps).
 GEMM_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every tensor-core launch, or None: heuristic.
@@ -220,9 +224,10 @@ def _blocked_gemv(args: tuple, w: BlockedInt4Weight, flags: dict) -> torch.Tenso
     """`_gemv_blocked_int4_kernel` on fused_linear's arguments."""
     out, M, N, K = args[4], args[8], args[9], args[10]
     block_n, block_b, warps = _blocked_config(N, K, M)
+    limit = {"maxnreg": GEMV_MAX_REGISTERS} if GEMV_MAX_REGISTERS else {}
     _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
         *args, K // 8, K // w.group_size, **flags, BLOCK=w.block, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
-        BLOCK_B=block_b, num_warps=warps, **_pdl(),
+        BLOCK_B=block_b, num_warps=warps, **limit, **_pdl(),
     )  # fmt: skip
     return out
 
