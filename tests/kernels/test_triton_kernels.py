@@ -215,9 +215,14 @@ def test_rope_store_and_cached_attention(pairing: str, T: int) -> None:
     assert frob_rel_error(out, ref) <= 1e-6
 
 
+@pytest.mark.parametrize("tile", [(128, 4), (256, 8)])
 @pytest.mark.parametrize("pairing", ["half", "interleaved"])
-def test_one_token_rope_attention_equals_two_kernels(pairing: str) -> None:
-    B, H, KVH, hd, S = 3, 4, 2, 16, 300  # positions past one attention block
+def test_one_token_rope_attention_equals_two_kernels(
+    pairing: str, tile: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both attention tiles (keys per block, warps), positions past one block of either."""
+    monkeypatch.setattr(ops, "NARROW_HEAD_ATTENTION", tile)
+    B, H, KVH, hd, S = 3, 4, 2, 16, 300
     gen = torch.Generator().manual_seed(4)
     cfg = ArchConfig(
         vocab_size=64, d_model=64, n_heads=H, n_kv_heads=KVH, head_dim=hd, ffn_dim=64,
