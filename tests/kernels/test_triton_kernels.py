@@ -157,6 +157,16 @@ def test_fused_linear_into_residual(rows: int) -> None:
     assert frob_rel_error(got, want.double()) <= 1e-6
 
 
+def test_gemv_register_cap_keeps_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GEMV_MAX_REGISTERS only passes ptxas a register cap: the same product, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    w = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(37, 320, generator=gen), 64))
+    x, norm = torch.randn(2, 320, generator=gen), 1 + 0.1 * torch.randn(320, generator=gen)
+    want = ops.fused_linear(x, w, norm_weight=norm, eps=1e-6)
+    monkeypatch.setattr(ops, "GEMV_MAX_REGISTERS", 80)
+    assert torch.equal(ops.fused_linear(x, w, norm_weight=norm, eps=1e-6), want)
+
+
 def test_dequantize_int4_is_exact() -> None:
     raw = torch.randn(24, 256, generator=torch.Generator().manual_seed(1))
     q = quantize_int4(raw, 64)
