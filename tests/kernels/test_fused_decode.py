@@ -52,9 +52,7 @@ def build(variant: str, blocked: bool = False) -> tuple[ArchConfig, dict[str, to
     return cfg, dense, fused, generic  # type: ignore[return-value]
 
 
-@pytest.mark.parametrize(
-    "variant", [*sorted(VARIANTS), "blocked:pre-concat-zeros-gqa", "blocked:ouro-like"]
-)
+@pytest.mark.parametrize("variant", [*sorted(VARIANTS), "blocked:pre-concat-zeros-gqa", "blocked:ouro-like"])
 def test_fused_decode_matches_naive(variant: str) -> None:
     blocked = variant.startswith("blocked:")
     cfg, dense, fused, _ = build(variant.removeprefix("blocked:"), blocked)
