@@ -316,6 +316,29 @@ def sweep_section() -> dict[str, Any]:
     return res
 
 
+RAW_DECODE_PROMPT = torch.as_tensor(np.random.default_rng(4).integers(0, 32000, (1, 128)), dtype=torch.long)
+
+
+def _raw_decode(m: Any) -> Callable[[], float]:
+    """A timer of 64 raw decode steps (engine.step, no sampling) at 8 loops after RAW_DECODE_PROMPT, in ms
+    (median of 5 after a warm-up): positions 128-191, two blocks of 128 keys as in the benchmark's decode."""
+    eng, loops, prompt_len = m._engine, 8, RAW_DECODE_PROMPT.shape[1]
+    cache = eng.new_cache(1, 260, loops)
+    eng.step(RAW_DECODE_PROMPT, cache, loops, last_only=True)
+    tok = torch.tensor([[5]])
+
+    def raw() -> None:
+        cache.truncate(prompt_len)
+        for _ in range(64):
+            eng.step(tok, cache, loops, last_only=True)
+
+    def ms() -> float:
+        raw()
+        return 1e3 * statistics.median(timed(raw, 5))
+
+    return ms
+
+
 # The session-6 and session-7 winners and their neighbours (more or fewer rows, blocks, warps).
 CHAIN_CANDIDATES = [(8, 8, 4), (4, 32, 8), (2, 32, 4), (4, 8, 2), (4, 16, 4), (2, 8, 1), (4, 8, 4), (8, 32, 8),
                     (2, 16, 2)]  # fmt: skip
@@ -329,29 +352,17 @@ def chain_tiles_section() -> dict[str, Any]:
     winners apply to later sections."""
     wait_for_models(SEED_PATH)
     m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
-    # A 128-token prompt then 64 steps: positions 128-191, two blocks of 128 keys as in the benchmark's decode.
-    eng, loops, prompt_len = m._engine, 8, 128
-    cache = eng.new_cache(1, 260, loops)
-    prompt = torch.as_tensor(np.random.default_rng(4).integers(0, 32000, (1, prompt_len)), dtype=torch.long)
-    eng.step(prompt, cache, loops, last_only=True)
-    tok = torch.tensor([[5]])
+    decode = _raw_decode(m)
 
     from tinyloop.runtime.fused_decode import FusedDecoder
 
-    decoder = eng.decoder
+    decoder = m._engine.decoder
     assert isinstance(decoder, FusedDecoder)
 
     def decode_ms() -> float:
         decoder._graphs.clear()  # tiles are read when a graph is captured
         decoder._seen.clear()
-
-        def raw() -> None:
-            cache.truncate(prompt_len)
-            for _ in range(64):
-                eng.step(tok, cache, loops, last_only=True)
-
-        raw()
-        return 1e3 * statistics.median(timed(raw, 5))
+        return decode()
 
     cuda_ops.BLOCKED_CONFIGS.clear()
     res: dict[str, Any] = {"built_in_ms": decode_ms(), "by_matrix": {}}
@@ -386,23 +397,11 @@ def maxnreg_section() -> dict[str, Any]:
     loops after a 128-token prompt, a fresh model per setting (graphs captured with it), settings alternated
     twice, and greedy tokens. The fastest applies to later sections."""
     wait_for_models(SEED_PATH)
-    prompt = torch.as_tensor(np.random.default_rng(4).integers(0, 32000, (1, 128)), dtype=torch.long)
-    tok = torch.tensor([[5]])
 
     def measure() -> tuple[float, list[int]]:
         m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
-        eng, loops = m._engine, 8
-        cache = eng.new_cache(1, 260, loops)
-        eng.step(prompt, cache, loops, last_only=True)
-
-        def raw() -> None:
-            cache.truncate(128)
-            for _ in range(64):
-                eng.step(tok, cache, loops, last_only=True)
-
-        raw()
-        ms = 1e3 * statistics.median(timed(raw, 5))
-        tokens = [int(t) for t in m.generate(prompt[0].numpy(), 32, loops=8, temperature=0.0)]
+        ms = _raw_decode(m)()
+        tokens = [int(t) for t in m.generate(RAW_DECODE_PROMPT[0].numpy(), 32, loops=8, temperature=0.0)]
         m.close()
         return ms, tokens
 
@@ -605,17 +604,6 @@ def _profile_decode(path: str, loops: int, tokens: int = 32) -> dict[str, Any]:
     busy = sum(v["us_per_token"] for v in table.values())
     return {"wall_us_per_token": wall * 1e6, "kernel_us_per_token": busy,
             "kernels": dict(sorted(table.items(), key=lambda kv: -kv[1]["us_per_token"]))}  # fmt: skip
-
-
-def _with_attrs(module: Any, attrs: dict[str, Any], fn: Callable[[], Any]) -> Any:
-    old = {k: getattr(module, k) for k in attrs}
-    for k, v in attrs.items():
-        setattr(module, k, v)
-    try:
-        return fn()
-    finally:
-        for k, v in old.items():
-            setattr(module, k, v)
 
 
 def profile_section() -> dict[str, Any]:

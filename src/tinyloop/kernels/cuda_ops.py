@@ -210,7 +210,13 @@ def fused_linear(
     if isinstance(w, BlockedInt4Weight):
         del flags["INT4"]
         if M <= MATVEC_MAX_ROWS:
-            return _blocked_gemv(args, w, flags)
+            block_n, block_b, warps = _blocked_config(N, K, M)
+            limit = {"maxnreg": GEMV_MAX_REGISTERS} if GEMV_MAX_REGISTERS else {}
+            _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
+                *args, K // 8, K // group, **flags, BLOCK=w.block, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
+                BLOCK_B=block_b, num_warps=warps, **limit, **_pdl(),
+            )  # fmt: skip
+            return out
         return _splitk_linear(x, w, nw, eps, flags, out, res, b)
     if M <= MATVEC_MAX_ROWS:
         block_n, block_k, warps = _matvec_config(N, K, M, group)
@@ -224,18 +230,6 @@ def fused_linear(
     _matmul_kernel[grid](
         *args, **flags, IEEE=x.dtype == torch.float32, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         BLOCKED=_block_width(w), num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    return out
-
-
-def _blocked_gemv(args: tuple, w: BlockedInt4Weight, flags: dict) -> torch.Tensor:
-    """`_gemv_blocked_int4_kernel` on fused_linear's arguments."""
-    out, M, N, K = args[4], args[8], args[9], args[10]
-    block_n, block_b, warps = _blocked_config(N, K, M)
-    limit = {"maxnreg": GEMV_MAX_REGISTERS} if GEMV_MAX_REGISTERS else {}
-    _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
-        *args, K // 8, K // w.group_size, **flags, BLOCK=w.block, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
-        BLOCK_B=block_b, num_warps=warps, **limit, **_pdl(),
     )  # fmt: skip
     return out
 

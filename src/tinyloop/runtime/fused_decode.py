@@ -339,9 +339,7 @@ class FusedDecoder:
         else:
             assert lw.attn_post_norm is not None
             a = ops.fused_linear(attn, lw.out)
-            x = ops.rms_norm(
-                a, lw.attn_post_norm.weight, cfg.norm_eps, x, 1 if cfg.norm_placement == "sandwich_out" else 2
-            )
+            x = ops.rms_norm(a, lw.attn_post_norm.weight, cfg.norm_eps, x, self._post_mode)
         act = ops.ACT_SWIGLU if lw.gate_up is not None else ops.ACT_GELU
         up = lw.gate_up if lw.gate_up is not None else lw.up
         assert up is not None
@@ -350,6 +348,4 @@ class FusedDecoder:
             return ops.fused_linear(h, lw.down, residual=x, into_residual=True)  # x is this layer's own
         assert lw.mlp_post_norm is not None
         m = ops.fused_linear(h, lw.down)
-        return ops.rms_norm(
-            m, lw.mlp_post_norm.weight, cfg.norm_eps, x, 1 if cfg.norm_placement == "sandwich_out" else 2
-        )
+        return ops.rms_norm(m, lw.mlp_post_norm.weight, cfg.norm_eps, x, self._post_mode)
