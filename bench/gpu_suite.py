@@ -421,6 +421,119 @@ def maxnreg_section() -> dict[str, Any]:
     return res
 
 
+# (rows per thread, lanes along rows, blocks per thread, warps along rows, warps along blocks) per activation
+GLUON_CANDIDATES = {
+    0: [(4, 1, 1, 2, 1), (4, 1, 1, 1, 1), (4, 1, 1, 4, 1), (2, 1, 1, 2, 1), (4, 2, 1, 2, 1), (4, 1, 1, 2, 2),
+        (8, 1, 1, 1, 1), (2, 2, 1, 2, 1), (2, 1, 1, 4, 1)],
+    1: [(2, 1, 1, 2, 1), (2, 1, 1, 1, 1), (2, 1, 1, 4, 1), (4, 1, 1, 1, 1), (2, 2, 1, 2, 1), (1, 1, 1, 2, 1),
+        (1, 1, 1, 4, 1)],
+}  # fmt: skip
+
+
+def _gemv_reference(x: torch.Tensor, q: Int4Weight, nw: Any, bias: Any, act: int, residual: Any) -> torch.Tensor:
+    """Float64 on the CPU, no rounding on the way: norm, matmul, bias, activation, residual."""
+    h = x.double().cpu()
+    if nw is not None:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double().cpu()
+    y = h @ q.dequantize().cpu().double().T
+    if bias is not None:
+        y = y + bias.double().cpu()
+    if act == cuda_ops.ACT_SWIGLU:
+        g, u = y.chunk(2, dim=-1)
+        y = torch.nn.functional.silu(g) * u
+    elif act == cuda_ops.ACT_GELU:
+        y = torch.nn.functional.gelu(y)
+    return y if residual is None else y + residual.double().cpu()
+
+
+def gluon_section() -> dict[str, Any]:
+    """The Gluon decode GEMV (kernels/gluon_gemv.py) against float64 and the Triton GEMV, then alone per
+    seed-407m shape (tiles, weights streamed from DRAM) and in the model's chain: seed-407m, 64 raw decode
+    steps at 8 loops after a 128-token prompt, a fresh model per setting, alternated twice, greedy tokens.
+    The best tiles apply to later sections."""
+    from tinyloop.kernels.cuda_backend import gluon_supported, pdl_supported
+
+    cuda_ops.USE_PDL = pdl_supported()
+    res: dict[str, Any] = {"supported": gluon_supported(), "checks": {}, "alone": {}}
+    if not res["supported"]:
+        return res
+    gen = torch.Generator().manual_seed(1)
+    cases = [  # (N, K, act, norm, residual, bias, dtype)
+        (6144, 2048, 0, True, False, False, torch.bfloat16), (2048, 2048, 0, False, True, False, torch.bfloat16),
+        (5632, 2048, 1, True, False, False, torch.bfloat16), (2048, 5632, 0, False, True, False, torch.bfloat16),
+        (32000, 2048, 0, True, False, False, torch.bfloat16), (1000, 5632, 2, True, True, True, torch.float32),
+        (1152, 384, 1, True, False, False, torch.float32), (384, 1024, 0, False, True, True, torch.float32),
+        (6144, 2048, 0, True, True, False, torch.float32), (5632, 2048, 1, True, False, False, torch.float32),
+    ]  # fmt: skip
+    for n, k, act, norm, resid, bias, dt in cases:
+        rows = 2 * n if act == cuda_ops.ACT_SWIGLU else n
+        q = quantize_int4(torch.randn(rows, k, generator=gen) / 45, 64)
+        w = BlockedInt4Weight.from_int4(q).to("cuda")
+        x = torch.randn(1, k, generator=gen).to(dt)
+        nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(dt) if norm else None
+        b = (0.1 * torch.randn(n, generator=gen)).to(dt) if bias else None
+        r = torch.randn(1, n, generator=gen).to(dt) if resid else None
+
+        def run(x: torch.Tensor = x, w: Any = w, nw: Any = nw, b: Any = b, r: Any = r, act: int = act) -> Any:
+            return cuda_ops.fused_linear(x.cuda(), w, norm_weight=None if nw is None else nw.cuda(), eps=1e-6,
+                                         bias=None if b is None else b.cuda(), act=act,
+                                         residual=None if r is None else r.cuda()).float().cpu()  # fmt: skip
+
+        cuda_ops.USE_GLUON_GEMV = True
+        got = run()
+        cuda_ops.USE_GLUON_GEMV = False
+        tri = run()
+        ref = _gemv_reference(x, q, nw, b, act, r)
+        key = f"{n}x{k} act{act} norm{int(norm)} res{int(resid)} bias{int(bias)} {str(dt)[6:]}"
+        res["checks"][key] = {"gluon_vs_f64": rel(got, ref), "triton_vs_f64": rel(tri, ref),
+                              "gluon_vs_triton": rel(got, tri)}  # fmt: skip
+        print("gluon check", key, res["checks"][key], flush=True)
+    gen_cuda = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k, act) in SEED_SHAPES.items():
+        ws = random_int4_copies(2 * n if act == 1 else n, k, gen_cuda)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        cuda_ops.USE_GLUON_GEMV = False
+        table: dict[str, Any] = {"triton": time_cycling(x, ws, act)}
+        cuda_ops.USE_GLUON_GEMV = True
+        for cand in GLUON_CANDIDATES[act]:
+            cuda_ops.GLUON_TILES[(n, k, act)] = cand
+            try:
+                table[str(cand)] = time_cycling(x, ws, act)
+            except Exception as exc:
+                table[str(cand)] = {"error": str(exc)[:300]}
+        ok = {c: v for c, v in table.items() if "us" in v and c != "triton"}
+        win = min(ok, key=lambda c: ok[c]["us"])
+        cuda_ops.GLUON_TILES[(n, k, act)] = tuple(int(v) for v in win.strip("()").split(","))  # type: ignore[assignment]
+        res["alone"][name] = {"best": win, "all": table}
+        print("gluon alone", name, {c: round(v.get("us", -1), 2) for c, v in table.items()}, flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    res["tiles"] = {str(k): v for k, v in cuda_ops.GLUON_TILES.items()}
+    wait_for_models(SEED_PATH)
+
+    def measure() -> tuple[float, list[int]]:
+        m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
+        ms = _raw_decode(m)()
+        tokens = [int(t) for t in m.generate(RAW_DECODE_PROMPT[0].numpy(), 32, loops=8, temperature=0.0)]
+        m.close()
+        return ms, tokens
+
+    chain: dict[str, list[float]] = {"triton": [], "gluon": []}
+    tokens = {}
+    for _ in range(2):
+        for setting in ("triton", "gluon"):
+            off = {"TINYLOOP_DISABLE_GLUON_GEMV": "1" if setting == "triton" else "0"}
+            t, tokens[setting] = with_env(off, measure)
+            chain[setting].append(t)
+    res["chain_ms"] = chain
+    res["greedy_tokens_identical"] = tokens["triton"] == tokens["gluon"]
+    res["greedy_first_difference"] = next((i for i, (a, b) in enumerate(zip(tokens["triton"], tokens["gluon"], strict=True))
+                                           if a != b), None)  # fmt: skip
+    print("gluon chain", chain, res["greedy_tokens_identical"], flush=True)
+    torch.cuda.empty_cache()
+    return res
+
+
 def pdl_early_section() -> dict[str, Any]:
     """Each kernel letting the next one launch before its own PDL wait (cuda_ops.PDL_EARLY_LAUNCH) against
     launching it after: seed-407m greedy tokens and decode time, then the seed407m numbers with it where it
@@ -835,6 +948,7 @@ SECTIONS = {
     "chain_tiles": chain_tiles_section,
     "pdl_early": pdl_early_section,
     "maxnreg": maxnreg_section,
+    "gluon": gluon_section,
 }
 
 

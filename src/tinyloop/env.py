@@ -41,6 +41,7 @@ class RuntimeEnv:
     fp16_body: bool
     disable_cublas_fp16: bool
     disable_pdl: bool
+    disable_gluon_gemv: bool
     disable_flash2_prefill: bool
     use_cudnn_sdpa: bool
     cross_iter_round: bool
@@ -60,6 +61,7 @@ class RuntimeEnv:
             fp16_body=_flag("TINYLOOP_EXPERIMENTAL_FP16_BODY"),
             disable_cublas_fp16=_flag("TINYLOOP_DISABLE_CUBLAS_FP16"),
             disable_pdl=_flag("TINYLOOP_DISABLE_PDL"),
+            disable_gluon_gemv=_flag("TINYLOOP_DISABLE_GLUON_GEMV"),
             disable_flash2_prefill=_flag("TINYLOOP_DISABLE_FLASH2_PREFILL"),
             use_cudnn_sdpa=_flag("TINYLOOP_USE_CUDNN_SDPA"),
             cross_iter_round=_flag("TINYLOOP_CROSS_ITER_ROUND"),

@@ -44,6 +44,7 @@ def install(env: RuntimeEnv) -> bool:
 
     cuda_ops.USE_CUBLAS_16BIT = not env.disable_cublas_fp16
     cuda_ops.USE_PDL = not env.disable_pdl and pdl_supported()
+    cuda_ops.USE_GLUON_GEMV = not env.disable_gluon_gemv and gluon_supported()
     if not _installed:
         register_linear_kernel("int4", "cuda", _int4_linear)
         _installed = True
@@ -59,6 +60,15 @@ def pdl_supported() -> bool:
     except ImportError:
         return False
     return "launch_pdl" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def gluon_supported() -> bool:
+    """The Gluon decode GEMV: an Ampere-or-later GPU and a Triton with the Gluon layouts it is written in."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
+        return False
+    from tinyloop.kernels import gluon_gemv
+
+    return gluon_gemv.available()
 
 
 def l2_cache_bytes() -> int:

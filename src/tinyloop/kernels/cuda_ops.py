@@ -26,6 +26,7 @@ from tinyloop.kernels.triton_matmul import (
     _splitk_epilogue_kernel,
 )
 from tinyloop.kernels.triton_norm import _rms_norm_kernel
+from tinyloop.log import info
 from tinyloop.quant import BlockedInt4Weight, Int4Weight
 
 ACT_NONE, ACT_SWIGLU, ACT_GELU = 0, 1, 2
@@ -86,6 +87,55 @@ BLOCKED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
 # bench/gemv_ncu.py): the (4, 8, 2) tile took 89 registers, so 10 programs fit an SM and seed-407m's QKV GEMV
 # (1,536 programs) ran in 1.16 waves with 70 % of issue slots used while active.
 GEMV_MAX_REGISTERS: int | None = None
+# One-row GEMVs of blocked INT4 weights (64-column groups) through the Gluon kernel (kernels/gluon_gemv.py)
+# instead of the Triton one; kernels/cuda_backend.py sets it where the installed Triton builds Gluon and
+# TINYLOOP_DISABLE_GLUON_GEMV is unset.
+USE_GLUON_GEMV = False
+# (N, K, act) -> (rows per thread, lanes along rows, blocks per thread, warps along rows, warps along blocks);
+# filled by benchmark sweeps to override `_gluon_tile`.
+GLUON_TILES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
+
+
+def _gluon_tile(n: int, k: int, act: int) -> tuple[int, int, int, int, int]:
+    if (n, k, act) in GLUON_TILES:
+        return GLUON_TILES[(n, k, act)]
+    rows = 2 if act == ACT_SWIGLU else 4  # two weight tiles in flight for SwiGLU: registers
+    # 16 lanes along 64-column blocks, or 8 (two rows of lanes) where 16 would leave a ragged last step
+    lanes_rows = 2 if (k // 64) % 16 and (k // 64) % 8 == 0 else 1
+    return rows, lanes_rows, 1, 2, 1
+
+
+def _gemv_gluon(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: torch.Tensor, nw: torch.Tensor,
+                b: torch.Tensor, eps: float, flags: dict) -> bool:  # fmt: skip
+    """Launches the Gluon GEMV; False (once, after saying why) where this Triton's Gluon cannot build it."""
+    global USE_GLUON_GEMV
+    from triton.compiler.errors import CompilationError
+
+    from tinyloop.kernels.gluon_gemv import PRMT_HIGH_BYTE, _gemv_int4_gluon_kernel
+
+    N, K = out.shape[1], x.shape[1]
+    rows, lanes_rows, per_thread, warps_rows, warps_blocks = _gluon_tile(N, K, flags["ACT"])
+    block_n = rows * lanes_rows * warps_rows
+    blocks = per_thread * (16 // lanes_rows) * warps_blocks
+    even = N % block_n == 0 and (K // 64) % blocks == 0
+    try:
+        _gemv_int4_gluon_kernel[(triton.cdiv(N, block_n),)](
+            x, w.packed.view(torch.int32), w.scale, w.minimum, out, res, nw, b, N, K, eps, K // 8, K // 64,
+            PRMT_HIGH_BYTE, NORM=flags["NORM"], BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"],
+            R=rows, LR=lanes_rows, BPT=per_thread, WR=warps_rows, WB=warps_blocks, EVEN=even,
+            num_warps=warps_rows * warps_blocks, **_pdl(),
+        )  # fmt: skip
+    except CompilationError as exc:
+        USE_GLUON_GEMV = False
+        info(f"the Gluon decode GEMV does not build with Triton {triton.__version__} ({exc}); using the Triton one")
+        return False
+    return True
+
+
+def _gluon_applies(x: torch.Tensor, w: BlockedInt4Weight, M: int) -> bool:
+    return USE_GLUON_GEMV and M == 1 and w.group_size == 64 and x.shape[1] % 64 == 0 and x.is_cuda
+
+
 # The same for the blocked INT4 split-K kernel: (N, K, rows) -> (BLOCK_N, BLOCK_M, BLOCK_K, num_warps).
 GEMM_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every tensor-core launch, or None: heuristic.
@@ -209,6 +259,8 @@ def fused_linear(
     args = (x, words, scale, minimum, out, res, nw, b, M, N, K, eps, x.stride(0), out.stride(0), res.stride(0))
     if isinstance(w, BlockedInt4Weight):
         del flags["INT4"]
+        if _gluon_applies(x, w, M) and _gemv_gluon(x, w, out, res, nw, b, eps, flags):
+            return out
         if M <= MATVEC_MAX_ROWS:
             block_n, block_b, warps = _blocked_config(N, K, M)
             limit = {"maxnreg": GEMV_MAX_REGISTERS} if GEMV_MAX_REGISTERS else {}
