@@ -527,8 +527,8 @@ def gluon_section() -> dict[str, Any]:
             chain[setting].append(t)
     res["chain_ms"] = chain
     res["greedy_tokens_identical"] = tokens["triton"] == tokens["gluon"]
-    res["greedy_first_difference"] = next((i for i, (a, b) in enumerate(zip(tokens["triton"], tokens["gluon"], strict=True))
-                                           if a != b), None)  # fmt: skip
+    pairs = zip(tokens["triton"], tokens["gluon"], strict=True)
+    res["greedy_first_difference"] = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
     print("gluon chain", chain, res["greedy_tokens_identical"], flush=True)
     torch.cuda.empty_cache()
     return res
