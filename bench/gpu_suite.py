@@ -534,6 +534,106 @@ def gluon_section() -> dict[str, Any]:
     return res
 
 
+def _step_timeline(pdl: bool) -> dict[str, Any]:
+    """Kernels of one raw decode step of seed-407m (loops 8, position 160 of 64 profiled steps after a
+    128-token prompt) in launch order: name, duration and the gap since the previous kernel ended (negative:
+    overlap under PDL)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def run() -> dict[str, Any]:
+        m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
+        eng, loops, steps = m._engine, 8, 64
+        cache = eng.new_cache(1, 260, loops)
+        eng.step(RAW_DECODE_PROMPT, cache, loops, last_only=True)
+        tok = torch.tensor([[5]])
+        for _ in range(2):  # graphs captured, then warm
+            cache.truncate(RAW_DECODE_PROMPT.shape[1])
+            for _ in range(steps):
+                eng.step(tok, cache, loops, last_only=True)
+        cache.truncate(RAW_DECODE_PROMPT.shape[1])
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                eng.step(tok, cache, loops, last_only=True)
+            torch.cuda.synchronize()
+        m.close()
+        evs = sorted((ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda ev: ev.time_range.start)  # fmt: skip
+        per_step = len(evs) // steps
+        first = per_step * (steps // 2)
+        seq = []
+        for i in range(first, first + per_step):
+            ev = evs[i]
+            gap = ev.time_range.start - evs[i - 1].time_range.end
+            seq.append([ev.name[:40], round(ev.time_range.end - ev.time_range.start, 2), round(gap, 2)])
+        span = evs[first + per_step - 1].time_range.end - evs[first].time_range.start
+        return {"kernels_per_step": per_step, "step_span_us": span, "step": seq,
+                "step_busy_us": sum(r[1] for r in seq), "step_gaps_us": sum(r[2] for r in seq[1:])}  # fmt: skip
+
+    return run() if pdl else with_env({"TINYLOOP_DISABLE_PDL": "1"}, run)
+
+
+def timeline_section() -> dict[str, Any]:
+    """One decode step's kernels in order, with and without PDL (see _step_timeline)."""
+    wait_for_models(SEED_PATH)
+    res = {"pdl": _step_timeline(True), "no_pdl": _step_timeline(False)}
+    for k, v in res.items():
+        print("timeline", k, v["kernels_per_step"], round(v["step_span_us"], 1), round(v["step_busy_us"], 1),
+              round(v["step_gaps_us"], 1))  # fmt: skip
+        for row in v["step"][:24]:
+            print("   ", row, flush=True)
+    return res
+
+
+def gluon_chain_section() -> dict[str, Any]:
+    """Gluon GEMV tiles chosen in the model's chain (as chain_tiles does for the Triton GEMV): seed-407m, 64
+    raw decode steps at 8 loops after a 128-token prompt, coordinate descent from the built-in tiles; then
+    PDL early launch on and off with the chosen tiles. The winners apply to later sections."""
+    wait_for_models(SEED_PATH)
+    m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
+    decode = _raw_decode(m)
+
+    from tinyloop.runtime.fused_decode import FusedDecoder
+
+    decoder = m._engine.decoder
+    assert isinstance(decoder, FusedDecoder)
+
+    def decode_ms() -> float:
+        decoder._graphs.clear()  # tiles are read when a graph is captured
+        decoder._seen.clear()
+        return decode()
+
+    res: dict[str, Any] = {"built_in_ms": decode_ms(), "by_matrix": {}}
+    for name in ("gate_up", "qkv", "down", "out", "head"):
+        n, k, act = SEED_SHAPES[name]
+        key = (n, k, act)
+        table = {"built_in": res["built_in_ms"]} if not res["by_matrix"] else {}
+        start = cuda_ops._gluon_tile(n, k, act)
+        for cand in [start] + [c for c in GLUON_CANDIDATES[act] if c != start]:
+            cuda_ops.GLUON_TILES[key] = cand
+            try:
+                table[str(cand)] = decode_ms()
+            except Exception as exc:
+                table[str(cand)] = float("inf")
+                print("gluon chain", name, cand, "failed", str(exc)[:200], flush=True)
+        best = min((c for c in table if c != "built_in"), key=lambda c: table[c])
+        cuda_ops.GLUON_TILES[key] = tuple(int(v) for v in best.strip("()").split(","))  # type: ignore[assignment]
+        res["by_matrix"][name] = {"best": best, "ms": table}
+        print("gluon chain", name, best, {c: round(v, 2) for c, v in table.items()}, flush=True)
+    res["chosen"] = {str(k): v for k, v in cuda_ops.GLUON_TILES.items()}
+    res["chosen_ms"] = decode_ms()
+    early = {}
+    for flag in (True, False, True, False):
+        cuda_ops.PDL_EARLY_LAUNCH = flag
+        early.setdefault(str(flag), []).append(decode_ms())
+    cuda_ops.PDL_EARLY_LAUNCH = False
+    res["pdl_early_ms"] = early
+    print("gluon chain pdl early", early, flush=True)
+    m.close()
+    torch.cuda.empty_cache()
+    return res
+
+
 def pdl_early_section() -> dict[str, Any]:
     """Each kernel letting the next one launch before its own PDL wait (cuda_ops.PDL_EARLY_LAUNCH) against
     launching it after: seed-407m greedy tokens and decode time, then the seed407m numbers with it where it
@@ -949,6 +1049,8 @@ SECTIONS = {
     "pdl_early": pdl_early_section,
     "maxnreg": maxnreg_section,
     "gluon": gluon_section,
+    "gluon_chain": gluon_chain_section,
+    "timeline": timeline_section,
 }
 
 

@@ -99,10 +99,14 @@ GLUON_TILES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
 def _gluon_tile(n: int, k: int, act: int) -> tuple[int, int, int, int, int]:
     if (n, k, act) in GLUON_TILES:
         return GLUON_TILES[(n, k, act)]
-    rows = 2 if act == ACT_SWIGLU else 4  # two weight tiles in flight for SwiGLU: registers
-    # 16 lanes along 64-column blocks, or 8 (two rows of lanes) where 16 would leave a ragged last step
-    lanes_rows = 2 if (k // 64) % 16 and (k // 64) % 8 == 0 else 1
-    return rows, lanes_rows, 1, 2, 1
+    # Winners alone, weights streamed from DRAM (H200, seed-407m shapes, bench/results/h200_session8_a.json, µs
+    # against the Triton GEMV): qkv (4, 1, 1, 1, 1) 4.9 vs 8.6, out (4, 1, 1, 2, 2) 2.6 vs 3.0, gate / up
+    # (4, 1, 1, 1, 1) 7.0 vs 8.9, down (4, 1, 1, 2, 2) 5.2 vs 6.9, head (8, 1, 1, 1, 1) 16.6 vs 24.4.
+    if n >= 16384:
+        return 8, 1, 1, 1, 1
+    if n <= 2048 or k >= 4096:
+        return 4, 1, 1, 2, 2
+    return 4, 1, 1, 1, 1
 
 
 def _gemv_gluon(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: torch.Tensor, nw: torch.Tensor,
