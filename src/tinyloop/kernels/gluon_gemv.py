@@ -23,11 +23,13 @@ import triton.language as tl
 try:  # Gluon is experimental: absent from older Triton, and its API moves between releases
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     _IMPORT_ERROR: str | None = None
 except Exception as exc:  # pragma: no cover - depends on the installed Triton
     gluon = None
     gl = None
+    mma_v2 = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 
@@ -218,3 +220,205 @@ def _gemv_int4_gluon_kernel(
     if RESIDUAL:
         y = y.to(dt).to(gl.float32) + gl.load(res_ptr + rows, mask=row_mask, other=0.0).to(gl.float32)
     gl.store(out_ptr + rows, y.to(dt), mask=row_mask)
+
+
+# ---- tensor-core variant (16-bit x) ----------------------------------------------------------------------
+# One instruction per nibble pair: (word >> 4s) & 0x000F000F | magic gives nibbles s and s + 4 as the 16-bit
+# floats magic + q (bf16 0x4300: 128 + q; fp16 0x6400: 1024 + q), exact, already a register of two mma.sync
+# A-operand elements.
+_PAIR_BF16 = tl.constexpr(
+    tuple(
+        f"{{ .reg .b32 t; shr.u32 t, $1, {4 * s}; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xea; }}"
+        if s
+        else "lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xea;"
+        for s in range(4)
+    )
+)
+_PAIR_FP16 = tl.constexpr(
+    tuple(
+        f"{{ .reg .b32 t; shr.u32 t, $1, {4 * s}; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xea; }}"
+        if s
+        else "lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xea;"
+        for s in range(4)
+    )
+)
+
+
+@_jit
+def _pairs(words, S: gl.constexpr, FP16: gl.constexpr):
+    """[..., 2] 16-bit floats magic + nibble S, magic + nibble S + 4 of each word (two copies joined)."""
+    both = gl.join(words, words)
+    if FP16:
+        pairs = gl.inline_asm_elementwise(_PAIR_FP16[S], "=r,r,r", [both], dtype=gl.float16, is_pure=True, pack=2)
+    else:
+        pairs = gl.inline_asm_elementwise(_PAIR_BF16[S], "=r,r,r", [both], dtype=gl.bfloat16, is_pure=True, pack=2)
+    return pairs
+
+
+@_jit
+def _a_operand(words, MT: gl.constexpr, RANGES: gl.constexpr, A_L: gl.constexpr, FP16: gl.constexpr):
+    """Words [MT, RANGES, 2 (h), 8 (lane row), 4 (a), 2 (w)] as the mma A operand [MT * RANGES * 16, 64]:
+    row rep * 16 RANGES + range * 16 + 8 h + lane row, k = 16 s + 8 w + 2 a + e holds nibble s + 4 e of word
+    2 a + w, i.e. column 8 (s + 4 e) + 2 a + w of the block. Every step is register renaming."""
+    d = gl.join(gl.join(_pairs(words, 0, FP16), _pairs(words, 1, FP16)),
+                gl.join(_pairs(words, 2, FP16), _pairs(words, 3, FP16)))  # fmt: skip
+    # [MT, R, h, lr, a, w, e, s_lo, s_hi] -> [MT, R, h, lr, s_hi, s_lo, w, a, e]
+    d = gl.permute(d, [0, 1, 2, 3, 8, 7, 5, 4, 6])
+    return gl.convert_layout(gl.reshape(d, [MT * RANGES * 16, 64]), A_L, assert_trivial=True)
+
+
+@_jit
+def _gemv_int4_mma_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    m_ptr,
+    out_ptr,
+    res_ptr,
+    nw_ptr,
+    b_ptr,
+    N,
+    eps,
+    stride_w,
+    stride_g,
+    K: gl.constexpr,
+    NORM: gl.constexpr,
+    BIAS: gl.constexpr,
+    ACT: gl.constexpr,
+    RESIDUAL: gl.constexpr,
+    MT: gl.constexpr,
+    RANGES: gl.constexpr,
+    FP16: gl.constexpr,
+    PDL: gl.constexpr,
+):
+    """out[n] = act(sum_k norm(x)_k w[n, k]) (+ residual) for one 16-bit row x on tensor cores (mma.sync
+    m16n8k16, float32 accumulation). A program owns 16 MT weight rows; its RANGES warps each take one
+    contiguous range of K's 64-column groups, and the mma's N dimension (8 wide, of which a vector-times-
+    matrix uses one) carries the ranges: column n of the B operand is x over range n, so warp w's products
+    with column w are its partial sums, added across warps at the end. Per group: sum_k x_k q_k =
+    acc - magic sum_k x_k, the second term from an mma with an all-magic A."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[RANGES, 1], instr_shape=[16, 8])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # [MT, RANGES, h, lane row, a, w]: a thread holds rows lr and lr + 8 of each 16-row tile, words 2a, 2a+1.
+    WL: gl.constexpr = gl.BlockedLayout([MT, 1, 2, 1, 1, 2], [1, 1, 1, 8, 4, 1], [1, RANGES, 1, 1, 1, 1],
+                                        [5, 4, 3, 2, 1, 0])  # fmt: skip
+    BM: gl.constexpr = 16 * MT
+    GPR: gl.constexpr = K // 64 // RANGES  # groups per range
+    MAGIC: gl.constexpr = 1024.0 if FP16 else 128.0
+    dt = x_ptr.dtype.element_ty
+    m0 = gl.program_id(0) * BM
+
+    # Word pointers at group 0 of each warp's range: [MT, R, 2, 8, 4, 2] built from 1-D aranges.
+    L5: gl.constexpr = gl.SliceLayout(5, WL)
+    L4: gl.constexpr = gl.SliceLayout(4, L5)
+    L3: gl.constexpr = gl.SliceLayout(3, L4)
+    L2: gl.constexpr = gl.SliceLayout(2, L3)
+    i_mt = gl.arange(0, MT, layout=gl.SliceLayout(1, L2))
+    i_r = gl.arange(0, RANGES, layout=gl.SliceLayout(0, L2))
+    i_h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, L3)))
+    i_lr = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L4))))
+    i_a = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, L5)))))
+    i_w = gl.arange(
+        0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, WL)))))
+    )
+    row2 = gl.expand_dims(i_mt * 16, 1) + gl.expand_dims(i_r * 0, 0)  # [MT, R]
+    grp2 = gl.expand_dims(i_mt * 0, 1) + gl.expand_dims(i_r * GPR, 0)
+    row3 = gl.expand_dims(row2, 2) + gl.expand_dims(gl.expand_dims(i_h * 8, 0), 0)
+    grp3 = gl.expand_dims(grp2, 2) + gl.expand_dims(gl.expand_dims(i_h * 0, 0), 0)
+    row4 = gl.expand_dims(row3, 3) + gl.expand_dims(gl.expand_dims(gl.expand_dims(i_lr, 0), 0), 0)
+    grp4 = gl.expand_dims(grp3, 3) + gl.expand_dims(gl.expand_dims(gl.expand_dims(i_lr * 0, 0), 0), 0)
+    word5 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(i_a * 2, 0), 0), 0), 0)
+    off5 = gl.expand_dims((m0 + row4) * stride_w + grp4 * 8, 4) + word5
+    word6 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(i_w, 0), 0), 0), 0), 0)
+    w_tile = w_ptr + gl.expand_dims(off5, 5) + word6
+    up_w = N * stride_w
+
+    # Rows and groups in the accumulator's layout, for scales and minimums: [16 MT R, 8].
+    rho = gl.arange(0, BM * RANGES, layout=gl.SliceLayout(1, mma))
+    acc_row = m0 + (rho // (16 * RANGES)) * 16 + rho % 16
+    acc_grp = ((rho // 16) % RANGES) * GPR
+    g_off = acc_row * stride_g + acc_grp
+    up_g = N * stride_g
+
+    # B operand columns: k -> column 8 (k // 16 + 4 (k % 2)) + 2 ((k // 2) % 4) + (k // 8) % 2 of the group.
+    k = gl.arange(0, 64, layout=gl.SliceLayout(1, B_L))
+    n = gl.arange(0, 8, layout=gl.SliceLayout(0, B_L))
+    col = 8 * (k // 16 + 4 * (k % 2)) + 2 * ((k // 2) % 4) + (k // 8) % 2
+    x_off = gl.expand_dims(col, 1) + gl.expand_dims(n * (GPR * 64), 0)
+    x_mask = gl.expand_dims(k * 0, 1) + gl.expand_dims(n, 0) < RANGES
+
+    words = gl.load(w_tile)
+    s = gl.load(s_ptr + g_off).to(gl.float32)
+    mn = gl.load(m_ptr + g_off).to(gl.float32)
+    words_up, s_up, mn_up = words, s, mn
+    if ACT == 1:
+        words_up = gl.load(w_tile + up_w)
+        s_up = gl.load(s_ptr + g_off + up_g).to(gl.float32)
+        mn_up = gl.load(m_ptr + g_off + up_g).to(gl.float32)
+    # Weights never depend on earlier kernels: the first groups are fetched before the grid-dependency wait.
+    if PDL == 2:
+        _launch_dependents()
+        _wait_for_previous_kernel()
+    elif PDL:
+        _wait_for_previous_kernel()
+        _launch_dependents()
+
+    magic_a = gl.full([BM * RANGES, 64], MAGIC, dt, layout=A_L)
+    zero = gl.zeros([BM * RANGES, 8], gl.float32, layout=mma)
+    y = gl.zeros([BM * RANGES, 8], gl.float32, layout=mma)
+    y_up = gl.zeros([BM * RANGES, 8], gl.float32, layout=mma)
+    sumsq = gl.zeros([64, 8], gl.float32, layout=B_L)
+    for t in range(GPR):
+        cur, cur_s, cur_mn, cur_up, cur_s_up, cur_mn_up = words, s, mn, words_up, s_up, mn_up
+        if t + 1 < GPR:
+            words = gl.load(w_tile + (t + 1) * 8)
+            s = gl.load(s_ptr + g_off + (t + 1)).to(gl.float32)
+            mn = gl.load(m_ptr + g_off + (t + 1)).to(gl.float32)
+            if ACT == 1:
+                words_up = gl.load(w_tile + up_w + (t + 1) * 8)
+                s_up = gl.load(s_ptr + g_off + up_g + (t + 1)).to(gl.float32)
+                mn_up = gl.load(m_ptr + g_off + up_g + (t + 1)).to(gl.float32)
+        xb = gl.load(x_ptr + x_off + t * 64, mask=x_mask, other=0.0).to(gl.float32)
+        if NORM:
+            sumsq += xb * xb
+            xb = xb * gl.load(nw_ptr + x_off + t * 64, mask=x_mask, other=0.0).to(gl.float32)
+        xb = xb.to(dt)
+        offset = mma_v2(magic_a, xb, zero)  # magic * sum of x over each range's group, in every row
+        prod = mma_v2(_a_operand(cur, MT, RANGES, A_L, FP16), xb, zero)
+        y += gl.expand_dims(cur_s, 1) * (prod - offset) + gl.expand_dims(cur_mn / MAGIC, 1) * offset
+        if ACT == 1:
+            prod_up = mma_v2(_a_operand(cur_up, MT, RANGES, A_L, FP16), xb, zero)
+            y_up += gl.expand_dims(cur_s_up, 1) * (prod_up - offset) + gl.expand_dims(cur_mn_up / MAGIC, 1) * offset
+
+    # Warp w's partial sums are column w of its rows: keep those, add over the warps.
+    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, mma))
+    keep = gl.expand_dims((rho // 16) % RANGES, 1) == gl.expand_dims(cols, 0)
+    yr = gl.sum(gl.reshape(gl.where(keep, y, 0.0), [MT, RANGES, 16, 8]), axis=3)
+    out = gl.sum(yr, axis=1)  # [MT, 16]
+    out_up = out
+    if ACT == 1:
+        out_up = gl.sum(gl.sum(gl.reshape(gl.where(keep, y_up, 0.0), [MT, RANGES, 16, 8]), axis=3), axis=1)
+    if NORM:
+        rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(sumsq, axis=1), axis=0) / K + eps)
+        out = out * rstd
+        out_up = out_up * rstd
+    OL: gl.constexpr = out.type.layout
+    rows = (
+        m0
+        + gl.expand_dims(gl.arange(0, MT, layout=gl.SliceLayout(1, OL)) * 16, 1)
+        + gl.expand_dims(gl.arange(0, 16, layout=gl.SliceLayout(0, OL)), 0)
+    )
+    row_mask = rows < N
+    odt = out_ptr.dtype.element_ty
+    if BIAS:
+        out = out + gl.load(b_ptr + rows, mask=row_mask, other=0.0).to(gl.float32)
+    out = out.to(odt).to(gl.float32)
+    if ACT == 1:
+        up = out_up.to(odt).to(gl.float32)
+        out = (out / (1.0 + gl.exp(-out))).to(odt).to(gl.float32) * up
+    elif ACT == 2:
+        out = 0.5 * out * (1.0 + gl.erf(out * 0.7071067811865476))
+    if RESIDUAL:
+        out = out.to(odt).to(gl.float32) + gl.load(res_ptr + rows, mask=row_mask, other=0.0).to(gl.float32)
+    gl.store(out_ptr + rows, out.to(odt), mask=row_mask)
