@@ -341,13 +341,6 @@ def _gemv_int4_mma_kernel(
     g_off = acc_row * stride_g + acc_grp
     up_g = N * stride_g
 
-    # B operand columns: k -> column 8 (k // 16 + 4 (k % 2)) + 2 ((k // 2) % 4) + (k // 8) % 2 of the group.
-    k = gl.arange(0, 64, layout=gl.SliceLayout(1, B_L))
-    n = gl.arange(0, 8, layout=gl.SliceLayout(0, B_L))
-    col = 8 * (k // 16 + 4 * (k % 2)) + 2 * ((k // 2) % 4) + (k // 8) % 2
-    x_off = gl.expand_dims(col, 1) + gl.expand_dims(n * (GPR * 64), 0)
-    x_mask = gl.expand_dims(k * 0, 1) + gl.expand_dims(n, 0) < RANGES
-
     words = gl.load(w_tile)
     s = gl.load(s_ptr + g_off).to(gl.float32)
     mn = gl.load(m_ptr + g_off).to(gl.float32)
@@ -364,11 +357,29 @@ def _gemv_int4_mma_kernel(
         _wait_for_previous_kernel()
         _launch_dependents()
 
+    # x (times the norm gain), rounded to 16 bits, in every step's B-operand order, once per program, in
+    # shared memory: x_smem[t, n, k] = x[(n GPR + t) 64 + column(k)] for ranges n (zero beyond), column(k) =
+    # 8 (k // 16 + 4 (k % 2)) + 2 ((k // 2) % 4) + (k // 8) % 2, the A operand's column order.
+    XL2: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [RANGES, 1], [1, 0])  # [n, k]
+    i_n = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, XL2)), 1)
+    i_k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, XL2)), 0)
+    x_cols = i_n * (GPR * 64) + 8 * (i_k // 16 + 4 * (i_k % 2)) + 2 * ((i_k // 2) % 4) + (i_k // 8) % 2
+    x_mask = (i_n < RANGES) & (i_k < 64)
+    x_smem = gl.allocate_shared_memory(dt, [GPR, 8, 64], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    sumsq = gl.zeros([8, 64], gl.float32, layout=XL2)
+    for t in range(GPR):
+        xv = gl.load(x_ptr + x_cols + t * 64, mask=x_mask, other=0.0).to(gl.float32)
+        if NORM:
+            sumsq += xv * xv
+            xv = xv * gl.load(nw_ptr + x_cols + t * 64, mask=x_mask, other=0.0).to(gl.float32)
+        x_smem.index(t).store(xv.to(dt))
+    rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(sumsq, axis=1), axis=0) / K + eps)
+    gl.thread_barrier()
+
     magic_a = gl.full([BM * RANGES, 64], MAGIC, dt, layout=A_L)
     zero = gl.zeros([BM * RANGES, 8], gl.float32, layout=mma)
     y = gl.zeros([BM * RANGES, 8], gl.float32, layout=mma)
     y_up = gl.zeros([BM * RANGES, 8], gl.float32, layout=mma)
-    sumsq = gl.zeros([64, 8], gl.float32, layout=B_L)
     for t in range(GPR):
         cur, cur_s, cur_mn, cur_up, cur_s_up, cur_mn_up = words, s, mn, words_up, s_up, mn_up
         if t + 1 < GPR:
@@ -379,11 +390,7 @@ def _gemv_int4_mma_kernel(
                 words_up = gl.load(w_tile + up_w + (t + 1) * 8)
                 s_up = gl.load(s_ptr + g_off + up_g + (t + 1)).to(gl.float32)
                 mn_up = gl.load(m_ptr + g_off + up_g + (t + 1)).to(gl.float32)
-        xb = gl.load(x_ptr + x_off + t * 64, mask=x_mask, other=0.0).to(gl.float32)
-        if NORM:
-            sumsq += xb * xb
-            xb = xb * gl.load(nw_ptr + x_off + t * 64, mask=x_mask, other=0.0).to(gl.float32)
-        xb = xb.to(dt)
+        xb = x_smem.index(t).permute([1, 0]).load(B_L)
         offset = mma_v2(magic_a, xb, zero)  # magic * sum of x over each range's group, in every row
         prod = mma_v2(_a_operand(cur, MT, RANGES, A_L, FP16), xb, zero)
         y += gl.expand_dims(cur_s, 1) * (prod - offset) + gl.expand_dims(cur_mn / MAGIC, 1) * offset
@@ -400,7 +407,6 @@ def _gemv_int4_mma_kernel(
     if ACT == 1:
         out_up = gl.sum(gl.sum(gl.reshape(gl.where(keep, y_up, 0.0), [MT, RANGES, 16, 8]), axis=3), axis=1)
     if NORM:
-        rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(sumsq, axis=1), axis=0) / K + eps)
         out = out * rstd
         out_up = out_up * rstd
     OL: gl.constexpr = out.type.layout
