@@ -423,14 +423,11 @@ def maxnreg_section() -> dict[str, Any]:
 
 # (rows per thread, lanes along rows, blocks per thread, warps along rows, warps along blocks) per activation
 GLUON_CANDIDATES = {
-    0: [(4, 1, 1, 2, 1), (4, 1, 1, 1, 1), (4, 1, 1, 4, 1), (2, 1, 1, 2, 1), (4, 2, 1, 2, 1), (4, 1, 1, 2, 2),
+    0: [(4, 1, 1, 2, 1), (4, 1, 1, 1, 1), (4, 1, 1, 4, 1), (2, 1, 1, 2, 1), (2, 1, 1, 1, 1), (4, 1, 1, 2, 2),
         (8, 1, 1, 1, 1), (2, 2, 1, 2, 1), (2, 1, 1, 4, 1)],
     1: [(2, 1, 1, 2, 1), (2, 1, 1, 1, 1), (2, 1, 1, 4, 1), (4, 1, 1, 1, 1), (2, 2, 1, 2, 1), (1, 1, 1, 2, 1),
         (1, 1, 1, 4, 1)],
 }  # fmt: skip
-
-
-GLUON_MMA_CANDIDATES = [(1, 8), (2, 8), (1, 4), (2, 4), (4, 4), (4, 2)]
 
 
 def _gemv_reference(x: torch.Tensor, q: Int4Weight, nw: Any, bias: Any, act: int, residual: Any) -> torch.Tensor:
@@ -484,15 +481,12 @@ def gluon_section() -> dict[str, Any]:
 
         cuda_ops.USE_GLUON_GEMV = True
         got = run()
-        cuda_ops.USE_GLUON_MMA = False
-        core = run()
-        cuda_ops.USE_GLUON_MMA = True
         cuda_ops.USE_GLUON_GEMV = False
         tri = run()
         ref = _gemv_reference(x, q, nw, b, act, r)
         key = f"{n}x{k} act{act} norm{int(norm)} res{int(resid)} bias{int(bias)} {str(dt)[6:]}"
-        res["checks"][key] = {"gluon_vs_f64": rel(got, ref), "gluon_cuda_cores_vs_f64": rel(core, ref),
-                              "triton_vs_f64": rel(tri, ref), "gluon_vs_triton": rel(got, tri)}  # fmt: skip
+        res["checks"][key] = {"gluon_vs_f64": rel(got, ref), "triton_vs_f64": rel(tri, ref),
+                              "gluon_vs_triton": rel(got, tri)}  # fmt: skip
         print("gluon check", key, res["checks"][key], flush=True)
     gen_cuda = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k, act) in SEED_SHAPES.items():
@@ -501,19 +495,6 @@ def gluon_section() -> dict[str, Any]:
         cuda_ops.USE_GLUON_GEMV = False
         table: dict[str, Any] = {"triton": time_cycling(x, ws, act)}
         cuda_ops.USE_GLUON_GEMV = True
-        for mma_tile in GLUON_MMA_CANDIDATES:
-            if (k // 64) % mma_tile[1]:
-                continue
-            cuda_ops.GLUON_MMA_TILES[(n, k, act)] = mma_tile
-            try:
-                table[f"mma {mma_tile}"] = time_cycling(x, ws, act)
-            except Exception as exc:
-                table[f"mma {mma_tile}"] = {"error": str(exc)[:300]}
-        mma_ok = {c: v for c, v in table.items() if "us" in v and c.startswith("mma")}
-        if mma_ok:
-            mma_win = min(mma_ok, key=lambda c: mma_ok[c]["us"])
-            cuda_ops.GLUON_MMA_TILES[(n, k, act)] = tuple(int(v) for v in mma_win[4:].strip("()").split(","))  # type: ignore[assignment]
-        cuda_ops.USE_GLUON_MMA = False
         for cand in GLUON_CANDIDATES[act]:
             cuda_ops.GLUON_TILES[(n, k, act)] = cand
             try:
@@ -523,7 +504,6 @@ def gluon_section() -> dict[str, Any]:
         ok = {c: v for c, v in table.items() if "us" in v and c != "triton"}
         win = min(ok, key=lambda c: ok[c]["us"])
         cuda_ops.GLUON_TILES[(n, k, act)] = tuple(int(v) for v in win.strip("()").split(","))  # type: ignore[assignment]
-        cuda_ops.USE_GLUON_MMA = True
         res["alone"][name] = {"best": win, "all": table}
         print("gluon alone", name, {c: round(v.get("us", -1), 2) for c, v in table.items()}, flush=True)
         del ws
@@ -538,17 +518,15 @@ def gluon_section() -> dict[str, Any]:
         m.close()
         return ms, tokens
 
-    chain: dict[str, list[float]] = {"triton": [], "gluon": [], "gluon_cuda_cores": []}
+    chain: dict[str, list[float]] = {"triton": [], "gluon": []}
     tokens = {}
     for _ in range(2):
         for setting in chain:
             off = {"TINYLOOP_DISABLE_GLUON_GEMV": "1" if setting == "triton" else "0"}
-            cuda_ops.USE_GLUON_MMA = setting == "gluon"
             t, tokens[setting] = with_env(off, measure)
             chain[setting].append(t)
-    cuda_ops.USE_GLUON_MMA = min(chain["gluon"]) < min(chain["gluon_cuda_cores"])
     res["chain_ms"] = chain
-    res["greedy_tokens_identical"] = tokens["triton"] == tokens["gluon"] == tokens["gluon_cuda_cores"]
+    res["greedy_tokens_identical"] = tokens["triton"] == tokens["gluon"]
     pairs = zip(tokens["triton"], tokens["gluon"], strict=True)
     res["greedy_first_difference"] = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
     print("gluon chain", chain, res["greedy_tokens_identical"], flush=True)

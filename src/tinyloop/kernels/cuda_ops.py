@@ -96,20 +96,6 @@ USE_GLUON_GEMV = False
 GLUON_TILES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
 
 
-# 16-bit x through the tensor-core Gluon GEMV (mma.sync) instead of the CUDA-core one.
-USE_GLUON_MMA = True
-# (N, K, act) -> (16-row tiles per program, warps = K ranges); filled by benchmark sweeps.
-GLUON_MMA_TILES: dict[tuple[int, int, int], tuple[int, int]] = {}
-
-
-def _gluon_mma_tile(n: int, k: int, act: int) -> tuple[int, int]:
-    if (n, k, act) in GLUON_MMA_TILES:
-        return GLUON_MMA_TILES[(n, k, act)]
-    groups = k // 64
-    ranges = next(r for r in (8, 4, 2, 1) if groups % r == 0)
-    return (1 if act == ACT_SWIGLU else 2), ranges
-
-
 def _gluon_tile(n: int, k: int, act: int) -> tuple[int, int, int, int, int]:
     if (n, k, act) in GLUON_TILES:
         return GLUON_TILES[(n, k, act)]
@@ -126,25 +112,12 @@ def _gluon_tile(n: int, k: int, act: int) -> tuple[int, int, int, int, int]:
 def _gemv_gluon(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: torch.Tensor, nw: torch.Tensor,
                 b: torch.Tensor, eps: float, flags: dict) -> bool:  # fmt: skip
     """Launches the Gluon GEMV; False (once, after saying why) where this Triton's Gluon cannot build it."""
-    global USE_GLUON_GEMV, USE_GLUON_MMA
+    global USE_GLUON_GEMV
     from triton.compiler.errors import CompilationError
 
-    from tinyloop.kernels.gluon_gemv import PRMT_HIGH_BYTE, _gemv_int4_gluon_kernel, _gemv_int4_mma_kernel
+    from tinyloop.kernels.gluon_gemv import PRMT_HIGH_BYTE, _gemv_int4_gluon_kernel
 
     N, K = out.shape[1], x.shape[1]
-    if USE_GLUON_MMA and x.dtype in (torch.bfloat16, torch.float16):
-        tiles, ranges = _gluon_mma_tile(N, K, flags["ACT"])
-        try:
-            _gemv_int4_mma_kernel[(triton.cdiv(N, 16 * tiles),)](
-                x, w.packed.view(torch.int32), w.scale, w.minimum, out, res, nw, b, N, eps, K // 8, K // 64, K=K,
-                NORM=flags["NORM"], BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"], MT=tiles,
-                RANGES=ranges, FP16=x.dtype == torch.float16, num_warps=ranges, **_pdl(),
-            )  # fmt: skip
-        except CompilationError as exc:
-            USE_GLUON_MMA = False
-            info(f"the tensor-core Gluon GEMV does not build with Triton {triton.__version__} ({exc})")
-        else:
-            return True
     rows, lanes_rows, per_thread, warps_rows, warps_blocks = _gluon_tile(N, K, flags["ACT"])
     block_n = rows * lanes_rows * warps_rows
     blocks = per_thread * (16 // lanes_rows) * warps_blocks
