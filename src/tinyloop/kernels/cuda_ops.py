@@ -96,12 +96,27 @@ USE_GLUON_GEMV = False
 GLUON_TILES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
 
 
+# One-row tiles of the Gluon GEMV for d_model 2048 / ffn 5632 matrices (seed-407m, Ouro-1.4B), chosen in the
+# model's own kernel chain (bench/gpu_suite.py gluon_chain: coordinate descent, seed-407m decode of 64 tokens at
+# 8 loops after a 128-token prompt; H200, bench/results/h200_session8_c.json): 82.1 ms with the tiles that won
+# alone (session 8 run a: qkv and gate / up (4, 1, 1, 1, 1)) -> 76.1 ms. Alone, back to back under PDL, one
+# kernel's prologue overlaps the previous one's tail, which flatters tiles with few, large programs.
+GLUON_CHAIN_TILES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
+    (6144, 2048, ACT_NONE): (4, 1, 1, 4, 1),  # qkv (76.46 ms; (4, 1, 1, 2, 1) 76.47)
+    (2048, 2048, ACT_NONE): (4, 1, 1, 2, 2),  # attention output
+    (5632, 2048, ACT_SWIGLU): (2, 2, 1, 2, 1),  # gate / up
+    (2048, 5632, ACT_NONE): (4, 1, 1, 2, 2),  # down (every other tile 85-113 ms)
+}
+
+
 def _gluon_tile(n: int, k: int, act: int) -> tuple[int, int, int, int, int]:
     if (n, k, act) in GLUON_TILES:
         return GLUON_TILES[(n, k, act)]
-    # Winners alone, weights streamed from DRAM (H200, seed-407m shapes, bench/results/h200_session8_a.json, µs
-    # against the Triton GEMV): qkv (4, 1, 1, 1, 1) 4.9 vs 8.6, out (4, 1, 1, 2, 2) 2.6 vs 3.0, gate / up
-    # (4, 1, 1, 1, 1) 7.0 vs 8.9, down (4, 1, 1, 2, 2) 5.2 vs 6.9, head (8, 1, 1, 1, 1) 16.6 vs 24.4.
+    if (n, k, act) in GLUON_CHAIN_TILES:
+        return GLUON_CHAIN_TILES[(n, k, act)]
+    # Elsewhere the winners alone (H200, seed-407m shapes, bench/results/h200_session8_a.json, µs against the
+    # Triton GEMV): qkv (4, 1, 1, 1, 1) 4.9 vs 8.6, out (4, 1, 1, 2, 2) 2.6 vs 3.0, gate / up (4, 1, 1, 1, 1)
+    # 7.0 vs 8.9, down (4, 1, 1, 2, 2) 5.2 vs 6.9, head (8, 1, 1, 1, 1) 16.6 vs 24.4 (also best in the chain).
     if n >= 16384:
         return 8, 1, 1, 1, 1
     if n <= 2048 or k >= 4096:
