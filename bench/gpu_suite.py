@@ -634,6 +634,19 @@ def gluon_chain_section() -> dict[str, Any]:
     return res
 
 
+def tiny_gemv_section() -> dict[str, Any]:
+    """The built-in model's decode tokens/s at 8 loops with the Gluon GEMV and with the Triton one (a fresh
+    model per setting, alternated twice): its matrices (d_model 384, 6 blocks of 64 columns) are far smaller
+    than the ones the Gluon tiles were chosen for."""
+    res: dict[str, list[float]] = {"triton": [], "gluon": []}
+    for _ in range(2):
+        for setting in res:
+            off = {"TINYLOOP_DISABLE_GLUON_GEMV": "1" if setting == "triton" else "0"}
+            res[setting].append(with_env(off, lambda: loops_curve("tiny", (8,)))["8"])
+    print("tiny gemv", res, flush=True)
+    return res
+
+
 def pdl_early_section() -> dict[str, Any]:
     """Each kernel letting the next one launch before its own PDL wait (cuda_ops.PDL_EARLY_LAUNCH) against
     launching it after: seed-407m greedy tokens and decode time, then the seed407m numbers with it where it
@@ -1051,6 +1064,7 @@ SECTIONS = {
     "gluon": gluon_section,
     "gluon_chain": gluon_chain_section,
     "timeline": timeline_section,
+    "tiny_gemv": tiny_gemv_section,
 }
 
 

@@ -119,6 +119,8 @@ def _gluon_tile(n: int, k: int, act: int) -> tuple[int, int, int, int, int]:
     # 7.0 vs 8.9, down (4, 1, 1, 2, 2) 5.2 vs 6.9, head (8, 1, 1, 1, 1) 16.6 vs 24.4 (also best in the chain).
     if n >= 16384:
         return 8, 1, 1, 1, 1
+    if k < 1024:  # few 64-column blocks (the built-in model: 6): 8 lanes along blocks, not 16 or 32
+        return (2 if act == ACT_SWIGLU else 4), 2, 1, 2, 1
     if n <= 2048 or k >= 4096:
         return 4, 1, 1, 2, 2
     return 4, 1, 1, 1, 1
