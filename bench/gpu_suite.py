@@ -405,7 +405,7 @@ def maxnreg_section() -> dict[str, Any]:
         m.close()
         return ms, tokens
 
-    settings = [None, 80, 72, 64]
+    settings = [None, 128, 96, 80]
     ms: dict[str, list[float]] = {str(c): [] for c in settings}
     tokens = {}
     for _ in range(2):

@@ -83,7 +83,7 @@ BLOCKED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
     (2048, 5632): (4, 32, 8),  # down
     (32000, 2048): (4, 8, 2),  # head
 }
-# Register cap for the decode GEMV (ptxas maxnreg), or None. Nsight Compute on the H200 (session 7,
+# Register cap for the decode GEMVs (Triton and Gluon; ptxas maxnreg), or None. Nsight Compute on the H200 (session 7,
 # bench/gemv_ncu.py): the (4, 8, 2) tile took 89 registers, so 10 programs fit an SM and seed-407m's QKV GEMV
 # (1,536 programs) ran in 1.16 waves with 70 % of issue slots used while active.
 GEMV_MAX_REGISTERS: int | None = None
@@ -139,12 +139,13 @@ def _gemv_gluon(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: t
     block_n = rows * lanes_rows * warps_rows
     blocks = per_thread * (16 // lanes_rows) * warps_blocks
     even = N % block_n == 0 and (K // 64) % blocks == 0
+    limit = {"maxnreg": GEMV_MAX_REGISTERS} if GEMV_MAX_REGISTERS else {}
     try:
         _gemv_int4_gluon_kernel[(triton.cdiv(N, block_n),)](
             x, w.packed.view(torch.int32), w.scale, w.minimum, out, res, nw, b, N, K, eps, K // 8, K // 64,
             PRMT_HIGH_BYTE, NORM=flags["NORM"], BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"],
             R=rows, LR=lanes_rows, BPT=per_thread, WR=warps_rows, WB=warps_blocks, EVEN=even,
-            num_warps=warps_rows * warps_blocks, **_pdl(),
+            num_warps=warps_rows * warps_blocks, **limit, **_pdl(),
         )  # fmt: skip
     except CompilationError as exc:
         USE_GLUON_GEMV = False
