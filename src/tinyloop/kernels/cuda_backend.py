@@ -68,7 +68,11 @@ def gluon_supported() -> bool:
         return False
     from tinyloop.kernels import gluon_gemv
 
-    return gluon_gemv.available()
+    if not gluon_gemv.available():
+        why = gluon_gemv._IMPORT_ERROR or "no Gluon layouts in this Triton"
+        info(f"the Gluon decode GEMV is unavailable ({why}); the Triton one is used")
+        return False
+    return True
 
 
 def l2_cache_bytes() -> int:
