@@ -634,31 +634,6 @@ def gluon_chain_section() -> dict[str, Any]:
     return res
 
 
-def gluon_ahead_section() -> dict[str, Any]:
-    """Gluon GEMV with one or two weight tiles in flight (cuda_ops.GLUON_AHEAD): seed-407m, 64 raw decode steps
-    at 8 loops after a 128-token prompt, a fresh model per setting, alternated twice, greedy tokens."""
-    wait_for_models(SEED_PATH)
-
-    def measure() -> tuple[float, list[int]]:
-        m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
-        ms = _raw_decode(m)()
-        tokens = [int(t) for t in m.generate(RAW_DECODE_PROMPT[0].numpy(), 32, loops=8, temperature=0.0)]
-        m.close()
-        return ms, tokens
-
-    ms: dict[str, list[float]] = {"1": [], "2": []}
-    tokens = {}
-    for _ in range(2):
-        for ahead in ms:
-            cuda_ops.GLUON_AHEAD = int(ahead)
-            t, tokens[ahead] = measure()
-            ms[ahead].append(t)
-    cuda_ops.GLUON_AHEAD = 1
-    res = {"ms": ms, "identical_tokens": tokens["1"] == tokens["2"]}
-    print("gluon ahead", res, flush=True)
-    return res
-
-
 def tiny_gemv_section() -> dict[str, Any]:
     """The built-in model's decode tokens/s at 8 loops with the Gluon GEMV and with the Triton one (a fresh
     model per setting, alternated twice): its matrices (d_model 384, 6 blocks of 64 columns) are far smaller
@@ -1090,7 +1065,6 @@ SECTIONS = {
     "gluon_chain": gluon_chain_section,
     "timeline": timeline_section,
     "tiny_gemv": tiny_gemv_section,
-    "gluon_ahead": gluon_ahead_section,
 }
 
 

@@ -94,8 +94,6 @@ USE_GLUON_GEMV = False
 # (N, K, act) -> (rows per thread, lanes along rows, blocks per thread, warps along rows, warps along blocks);
 # filled by benchmark sweeps to override `_gluon_tile`.
 GLUON_TILES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
-# Weight tiles the Gluon GEMV keeps in flight (1 or 2; both fetched before the PDL wait).
-GLUON_AHEAD = 1
 
 
 # One-row tiles of the Gluon GEMV for d_model 2048 / ffn 5632 matrices (seed-407m, Ouro-1.4B), chosen in the
@@ -147,7 +145,7 @@ def _gemv_gluon(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: t
             x, w.packed.view(torch.int32), w.scale, w.minimum, out, res, nw, b, N, K, eps, K // 8, K // 64,
             PRMT_HIGH_BYTE, NORM=flags["NORM"], BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"],
             R=rows, LR=lanes_rows, BPT=per_thread, WR=warps_rows, WB=warps_blocks, EVEN=even,
-            AHEAD=GLUON_AHEAD, num_warps=warps_rows * warps_blocks, **limit, **_pdl(),
+            num_warps=warps_rows * warps_blocks, **limit, **_pdl(),
         )  # fmt: skip
     except CompilationError as exc:
         USE_GLUON_GEMV = False

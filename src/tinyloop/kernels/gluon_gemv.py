@@ -116,7 +116,6 @@ def _gemv_int4_gluon_kernel(
     WB: gl.constexpr,
     EVEN: gl.constexpr,
     PDL: gl.constexpr,
-    AHEAD: gl.constexpr = 1,
 ):
     """out[n] = act(sum_k norm(x)_k w[n, k]) (+ residual) for one row x; rows pid * R * WR.. of w."""
     L3: gl.constexpr = gl.BlockedLayout([R, BPT, 4], [LR, 16 // LR, 2], [WR, WB, 1], [2, 1, 0])
@@ -147,15 +146,7 @@ def _gemv_int4_gluon_kernel(
     if ACT == 1:
         words_up, s_up, mn_up = _load_tile(w_tile + up_w, g_tile + up_g, s_ptr, m_ptr, 0, blk3, blk2, row_mask3,
                                            row_mask2, n_blocks, n_blocks > 0, EVEN)  # fmt: skip
-    # AHEAD = 2: the second tile is in flight too (words2...), one more tile of registers.
-    words2, s2, mn2, words2_up, s2_up, mn2_up = words, s, mn, words_up, s_up, mn_up
-    if AHEAD == 2:
-        words2, s2, mn2 = _load_tile(w_tile, g_tile, s_ptr, m_ptr, BB, blk3, blk2, row_mask3, row_mask2, n_blocks,
-                                     BB < n_blocks, EVEN)  # fmt: skip
-        if ACT == 1:
-            words2_up, s2_up, mn2_up = _load_tile(w_tile + up_w, g_tile + up_g, s_ptr, m_ptr, BB, blk3, blk2,
-                                                  row_mask3, row_mask2, n_blocks, BB < n_blocks, EVEN)  # fmt: skip
-    # Weights never depend on earlier kernels: the first tile(s) are fetched before the grid-dependency wait.
+    # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait.
     if PDL == 2:  # as triton_pdl._wait_for_previous_kernel
         _launch_dependents()
         _wait_for_previous_kernel()
@@ -168,21 +159,12 @@ def _gemv_int4_gluon_kernel(
     sumsq = gl.zeros([BB, 8], gl.float32, layout=XL)
     for kb in range(0, n_blocks, BB):
         cur, cur_s, cur_mn, cur_up, cur_s_up, cur_mn_up = words, s, mn, words_up, s_up, mn_up
-        if AHEAD == 2:
-            words, s, mn, words_up, s_up, mn_up = words2, s2, mn2, words2_up, s2_up, mn2_up
-            more = kb + 2 * BB < n_blocks
-            words2, s2, mn2 = _load_tile(w_tile, g_tile, s_ptr, m_ptr, kb + 2 * BB, blk3, blk2, row_mask3, row_mask2,
-                                         n_blocks, more, EVEN)  # fmt: skip
-            if ACT == 1:
-                words2_up, s2_up, mn2_up = _load_tile(w_tile + up_w, g_tile + up_g, s_ptr, m_ptr, kb + 2 * BB, blk3,
-                                                      blk2, row_mask3, row_mask2, n_blocks, more, EVEN)  # fmt: skip
-        else:
-            more = kb + BB < n_blocks
-            words, s, mn = _load_tile(w_tile, g_tile, s_ptr, m_ptr, kb + BB, blk3, blk2, row_mask3, row_mask2,
-                                      n_blocks, more, EVEN)  # fmt: skip
-            if ACT == 1:
-                words_up, s_up, mn_up = _load_tile(w_tile + up_w, g_tile + up_g, s_ptr, m_ptr, kb + BB, blk3, blk2,
-                                                   row_mask3, row_mask2, n_blocks, more, EVEN)  # fmt: skip
+        more = kb + BB < n_blocks
+        words, s, mn = _load_tile(w_tile, g_tile, s_ptr, m_ptr, kb + BB, blk3, blk2, row_mask3, row_mask2, n_blocks,
+                                  more, EVEN)  # fmt: skip
+        if ACT == 1:
+            words_up, s_up, mn_up = _load_tile(w_tile + up_w, g_tile + up_g, s_ptr, m_ptr, kb + BB, blk3, blk2,
+                                               row_mask3, row_mask2, n_blocks, more, EVEN)  # fmt: skip
         # Bytes 0x80 | q << 3 of the even (lo) and odd (hi) nibbles; >> is arithmetic, the mask drops the sign.
         lo = ((cur << 3) & 0x78787878) | -2139062144  # 0x80808080
         hi = ((cur >> 1) & 0x78787878) | -2139062144
