@@ -339,6 +339,33 @@ def _raw_decode(m: Any) -> Callable[[], float]:
     return ms
 
 
+def _recapturing_decode(m: Any) -> Callable[[], float]:
+    """`_raw_decode` that re-captures the decode graphs first, so that tile settings changed since (read when
+    a graph is captured) take effect."""
+    from tinyloop.runtime.fused_decode import FusedDecoder
+
+    decoder = m._engine.decoder
+    assert isinstance(decoder, FusedDecoder)
+    decode = _raw_decode(m)
+
+    def ms() -> float:
+        decoder._graphs.clear()
+        decoder._seen.clear()
+        return decode()
+
+    return ms
+
+
+def _fresh_seed_decode() -> tuple[float, list[int]]:
+    """A fresh seed-407m model (graphs captured with the current settings): `_raw_decode`'s ms and 32 greedy
+    tokens after RAW_DECODE_PROMPT at 8 loops."""
+    m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
+    ms = _raw_decode(m)()
+    tokens = [int(t) for t in m.generate(RAW_DECODE_PROMPT[0].numpy(), 32, loops=8, temperature=0.0)]
+    m.close()
+    return ms, tokens
+
+
 # The session-6 and session-7 winners and their neighbours (more or fewer rows, blocks, warps).
 CHAIN_CANDIDATES = [(8, 8, 4), (4, 32, 8), (2, 32, 4), (4, 8, 2), (4, 16, 4), (2, 8, 1), (4, 8, 4), (8, 32, 8),
                     (2, 16, 2)]  # fmt: skip
@@ -352,17 +379,7 @@ def chain_tiles_section() -> dict[str, Any]:
     winners apply to later sections."""
     wait_for_models(SEED_PATH)
     m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
-    decode = _raw_decode(m)
-
-    from tinyloop.runtime.fused_decode import FusedDecoder
-
-    decoder = m._engine.decoder
-    assert isinstance(decoder, FusedDecoder)
-
-    def decode_ms() -> float:
-        decoder._graphs.clear()  # tiles are read when a graph is captured
-        decoder._seen.clear()
-        return decode()
+    decode_ms = _recapturing_decode(m)
 
     cuda_ops.BLOCKED_CONFIGS.clear()
     res: dict[str, Any] = {"built_in_ms": decode_ms(), "by_matrix": {}}
@@ -398,20 +415,13 @@ def maxnreg_section() -> dict[str, Any]:
     twice, and greedy tokens. The fastest applies to later sections."""
     wait_for_models(SEED_PATH)
 
-    def measure() -> tuple[float, list[int]]:
-        m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
-        ms = _raw_decode(m)()
-        tokens = [int(t) for t in m.generate(RAW_DECODE_PROMPT[0].numpy(), 32, loops=8, temperature=0.0)]
-        m.close()
-        return ms, tokens
-
     settings = [None, 128, 96, 80]
     ms: dict[str, list[float]] = {str(c): [] for c in settings}
     tokens = {}
     for _ in range(2):
         for cap in settings:
             cuda_ops.GEMV_MAX_REGISTERS = cap
-            t, tokens[str(cap)] = measure()
+            t, tokens[str(cap)] = _fresh_seed_decode()
             ms[str(cap)].append(t)
     best = min(ms, key=lambda c: statistics.median(ms[c]))
     cuda_ops.GEMV_MAX_REGISTERS = None if best == "None" else int(best)
@@ -511,19 +521,12 @@ def gluon_section() -> dict[str, Any]:
     res["tiles"] = {str(k): v for k, v in cuda_ops.GLUON_TILES.items()}
     wait_for_models(SEED_PATH)
 
-    def measure() -> tuple[float, list[int]]:
-        m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
-        ms = _raw_decode(m)()
-        tokens = [int(t) for t in m.generate(RAW_DECODE_PROMPT[0].numpy(), 32, loops=8, temperature=0.0)]
-        m.close()
-        return ms, tokens
-
     chain: dict[str, list[float]] = {"triton": [], "gluon": []}
     tokens = {}
     for _ in range(2):
         for setting in chain:
             off = {"TINYLOOP_DISABLE_GLUON_GEMV": "1" if setting == "triton" else "0"}
-            t, tokens[setting] = with_env(off, measure)
+            t, tokens[setting] = with_env(off, _fresh_seed_decode)
             chain[setting].append(t)
     res["chain_ms"] = chain
     res["greedy_tokens_identical"] = tokens["triton"] == tokens["gluon"]
@@ -591,17 +594,7 @@ def gluon_chain_section() -> dict[str, Any]:
     PDL early launch on and off with the chosen tiles. The winners apply to later sections."""
     wait_for_models(SEED_PATH)
     m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
-    decode = _raw_decode(m)
-
-    from tinyloop.runtime.fused_decode import FusedDecoder
-
-    decoder = m._engine.decoder
-    assert isinstance(decoder, FusedDecoder)
-
-    def decode_ms() -> float:
-        decoder._graphs.clear()  # tiles are read when a graph is captured
-        decoder._seen.clear()
-        return decode()
+    decode_ms = _recapturing_decode(m)
 
     res: dict[str, Any] = {"built_in_ms": decode_ms(), "by_matrix": {}}
     for name in ("gate_up", "qkv", "down", "out", "head"):

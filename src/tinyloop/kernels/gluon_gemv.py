@@ -205,6 +205,8 @@ def _gemv_int4_gluon_kernel(
         rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(sumsq, axis=1), axis=0) / K + eps)
         y = y * rstd
         y_up = y_up * rstd
+    # The same rounding steps as triton_matmul._epilogue (the CPU-tested one), in Gluon's ops on this
+    # layout; keep the two in step.
     row_mask = rows < N
     dt = out_ptr.dtype.element_ty
     if BIAS:
