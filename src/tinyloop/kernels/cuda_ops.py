@@ -85,8 +85,16 @@ BLOCKED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
 }
 # Register cap for the decode GEMVs (Triton and Gluon; ptxas maxnreg), or None. Nsight Compute on the H200 (session 7,
 # bench/gemv_ncu.py): the (4, 8, 2) tile took 89 registers, so 10 programs fit an SM and seed-407m's QKV GEMV
-# (1,536 programs) ran in 1.16 waves with 70 % of issue slots used while active.
+# (1,536 programs) ran in 1.16 waves with 70 % of issue slots used while active. Off: on the Gluon GEMV every cap
+# tried spilled and lost (session 8, h200_session8_maxnreg.json: 64 tokens 75 ms uncapped, 91 / 130 / 176 ms at
+# 128 / 96 / 80 registers).
 GEMV_MAX_REGISTERS: int | None = None
+
+
+def _register_cap() -> dict[str, int]:
+    return {"maxnreg": GEMV_MAX_REGISTERS} if GEMV_MAX_REGISTERS else {}
+
+
 # One-row GEMVs of blocked INT4 weights (64-column groups) through the Gluon kernel (kernels/gluon_gemv.py)
 # instead of the Triton one; kernels/cuda_backend.py sets it where the installed Triton builds Gluon and
 # TINYLOOP_DISABLE_GLUON_GEMV is unset.
@@ -139,13 +147,12 @@ def _gemv_gluon(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: t
     block_n = rows * lanes_rows * warps_rows
     blocks = per_thread * (16 // lanes_rows) * warps_blocks
     even = N % block_n == 0 and (K // 64) % blocks == 0
-    limit = {"maxnreg": GEMV_MAX_REGISTERS} if GEMV_MAX_REGISTERS else {}
     try:
         _gemv_int4_gluon_kernel[(triton.cdiv(N, block_n),)](
             x, w.packed.view(torch.int32), w.scale, w.minimum, out, res, nw, b, N, K, eps, K // 8, K // 64,
             PRMT_HIGH_BYTE, NORM=flags["NORM"], BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"],
             R=rows, LR=lanes_rows, BPT=per_thread, WR=warps_rows, WB=warps_blocks, EVEN=even,
-            num_warps=warps_rows * warps_blocks, **limit, **_pdl(),
+            num_warps=warps_rows * warps_blocks, **_register_cap(), **_pdl(),
         )  # fmt: skip
     except CompilationError as exc:
         USE_GLUON_GEMV = False
@@ -285,10 +292,9 @@ def fused_linear(
             return out
         if M <= MATVEC_MAX_ROWS:
             block_n, block_b, warps = _blocked_config(N, K, M)
-            limit = {"maxnreg": GEMV_MAX_REGISTERS} if GEMV_MAX_REGISTERS else {}
             _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
                 *args, K // 8, K // group, **flags, BLOCK=w.block, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
-                BLOCK_B=block_b, num_warps=warps, **limit, **_pdl(),
+                BLOCK_B=block_b, num_warps=warps, **_register_cap(), **_pdl(),
             )  # fmt: skip
             return out
         return _splitk_linear(x, w, nw, eps, flags, out, res, b)
