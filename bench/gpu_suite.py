@@ -456,6 +456,121 @@ def _gemv_reference(x: torch.Tensor, q: Int4Weight, nw: Any, bias: Any, act: int
     return y if residual is None else y + residual.double().cpu()
 
 
+ONE_ROW_CASES = [  # (N, K, act, norm, residual, bias, dtype)
+    (6144, 2048, 0, True, False, False, torch.bfloat16), (2048, 2048, 0, False, True, False, torch.bfloat16),
+    (5632, 2048, 1, True, False, False, torch.bfloat16), (2048, 5632, 0, False, True, False, torch.bfloat16),
+    (32000, 2048, 0, True, False, False, torch.bfloat16), (1000, 5632, 2, True, True, True, torch.float32),
+    (1152, 384, 1, True, False, False, torch.float32), (384, 1024, 0, False, True, True, torch.float32),
+    (6144, 2048, 0, True, True, False, torch.float32), (5632, 2048, 1, True, False, False, torch.float32),
+    (77, 1536, 1, True, True, True, torch.float16),
+]  # fmt: skip
+
+
+def _one_row_checks(settings: dict[str, dict[str, bool]]) -> dict[str, dict[str, float]]:
+    """One-row fused_linear on ONE_ROW_CASES under each setting of cuda_ops switches: relative error against
+    float64 and against the first setting."""
+    gen = torch.Generator().manual_seed(1)
+    checks = {}
+    for n, k, act, norm, resid, bias, dt in ONE_ROW_CASES:
+        rows = 2 * n if act == cuda_ops.ACT_SWIGLU else n
+        q = quantize_int4(torch.randn(rows, k, generator=gen) / 45, 64)
+        w = BlockedInt4Weight.from_int4(q).to("cuda")
+        x = torch.randn(1, k, generator=gen).to(dt)
+        nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(dt) if norm else None
+        b = (0.1 * torch.randn(n, generator=gen)).to(dt) if bias else None
+        r = torch.randn(1, n, generator=gen).to(dt) if resid else None
+        got = {}
+        for name, switches in settings.items():
+            for attr, value in switches.items():
+                setattr(cuda_ops, attr, value)
+            got[name] = cuda_ops.fused_linear(x.cuda(), w, norm_weight=None if nw is None else nw.cuda(), eps=1e-6,
+                                              bias=None if b is None else b.cuda(), act=act,
+                                              residual=None if r is None else r.cuda()).float().cpu()  # fmt: skip
+        ref = _gemv_reference(x, q, nw, b, act, r)
+        first = next(iter(got))
+        key = f"{n}x{k} act{act} norm{int(norm)} res{int(resid)} bias{int(bias)} {str(dt)[6:]}"
+        checks[key] = {f"{name}_vs_f64": rel(g, ref) for name, g in got.items()}
+        checks[key].update({f"{name}_vs_{first}": rel(g, got[first]) for name, g in got.items() if name != first})
+        print("one-row check", key, {c: f"{v:.2e}" for c, v in checks[key].items()}, flush=True)
+    return checks
+
+
+STAGED_SMOKE = """
+import torch
+from tinyloop.kernels import cuda_ops
+from tinyloop.kernels.cuda_backend import pdl_supported, staged_supported
+from tinyloop.quant import BlockedInt4Weight, quantize_int4
+cuda_ops.USE_PDL, cuda_ops.USE_STAGED_GEMV = pdl_supported(), staged_supported()
+w = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(2048, 2048) / 45, 64)).to("cuda")
+y = cuda_ops.fused_linear(torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16), w)
+torch.cuda.synchronize()
+print("staged smoke ok", cuda_ops.USE_STAGED_GEMV, float(y.float().norm()))
+"""
+
+
+def staged_section() -> dict[str, Any]:
+    """The staged GEMV (kernels/gluon_gemv_staged.py): one call in a child process first (a wrong barrier
+    count would hang, not fail), then against float64, the plain Gluon GEMV and the Triton one; alone per
+    seed-407m shape (copies streamed from DRAM, back to back in a graph); in the chain (fresh seed-407m models
+    with it on and off, alternated twice, greedy tokens); early launch of the next kernel on and off."""
+    from tinyloop.kernels.cuda_backend import pdl_supported, staged_supported
+
+    cuda_ops.USE_PDL = pdl_supported()
+    res: dict[str, Any] = {"supported": staged_supported()}
+    if not res["supported"]:
+        return res
+    try:
+        smoke = subprocess.run([sys.executable, "-c", STAGED_SMOKE], capture_output=True, text=True, timeout=120)
+        res["smoke"] = {"rc": smoke.returncode, "out": smoke.stdout[-500:], "err": smoke.stderr[-3000:]}
+    except subprocess.TimeoutExpired:
+        res["smoke"] = {"rc": "timeout"}
+    print("staged smoke", res["smoke"], flush=True)
+    if res["smoke"]["rc"] != 0:
+        return res
+    on = {"USE_STAGED_GEMV": True, "USE_GLUON_GEMV": True}
+    off = {"USE_STAGED_GEMV": False, "USE_GLUON_GEMV": False}
+    settings = {"staged": on, "gluon": {**on, "USE_STAGED_GEMV": False}, "triton": off}
+    res["checks"] = _one_row_checks(settings)
+    res["alone"] = {}
+    gen_cuda = torch.Generator(device="cuda").manual_seed(0)
+    for name, (n, k, act) in SEED_SHAPES.items():
+        ws = random_int4_copies(2 * n if act == 1 else n, k, gen_cuda)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        res["alone"][name] = {}
+        for setting, switches in settings.items():
+            for attr, value in switches.items():
+                setattr(cuda_ops, attr, value)
+            res["alone"][name][setting] = time_cycling(x, ws, act)
+        print("staged alone", name, {c: round(v["us"], 2) for c, v in res["alone"][name].items()}, flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    wait_for_models(SEED_PATH)
+    chain: dict[str, list[float]] = {"gluon": [], "staged": []}
+    tokens = {}
+    for _ in range(2):
+        for setting in chain:
+            off = {"TINYLOOP_DISABLE_STAGED_GEMV": "1" if setting == "gluon" else "0"}
+            t, tokens[setting] = with_env(off, _fresh_seed_decode)
+            chain[setting].append(t)
+    res["chain_ms"] = chain
+    res["greedy_tokens_identical"] = tokens["gluon"] == tokens["staged"]
+    pairs = zip(tokens["gluon"], tokens["staged"], strict=True)
+    res["greedy_first_difference"] = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
+    print("staged chain", chain, res["greedy_tokens_identical"], flush=True)
+    m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
+    decode_ms = _recapturing_decode(m)
+    early: dict[str, list[float]] = {}
+    for flag in (True, False, True, False):
+        cuda_ops.STAGED_EARLY_LAUNCH = flag
+        early.setdefault(str(flag), []).append(decode_ms())
+    res["early_launch_ms"] = early
+    cuda_ops.STAGED_EARLY_LAUNCH = min(early, key=lambda f: min(early[f])) == "True"
+    print("staged early launch", early, flush=True)
+    m.close()
+    torch.cuda.empty_cache()
+    return res
+
+
 def gluon_section() -> dict[str, Any]:
     """The Gluon decode GEMV (kernels/gluon_gemv.py) against float64 and the Triton GEMV, then alone per
     seed-407m shape (tiles, weights streamed from DRAM) and in the model's chain: seed-407m, 64 raw decode
@@ -467,37 +582,9 @@ def gluon_section() -> dict[str, Any]:
     res: dict[str, Any] = {"supported": gluon_supported(), "checks": {}, "alone": {}}
     if not res["supported"]:
         return res
-    gen = torch.Generator().manual_seed(1)
-    cases = [  # (N, K, act, norm, residual, bias, dtype)
-        (6144, 2048, 0, True, False, False, torch.bfloat16), (2048, 2048, 0, False, True, False, torch.bfloat16),
-        (5632, 2048, 1, True, False, False, torch.bfloat16), (2048, 5632, 0, False, True, False, torch.bfloat16),
-        (32000, 2048, 0, True, False, False, torch.bfloat16), (1000, 5632, 2, True, True, True, torch.float32),
-        (1152, 384, 1, True, False, False, torch.float32), (384, 1024, 0, False, True, True, torch.float32),
-        (6144, 2048, 0, True, True, False, torch.float32), (5632, 2048, 1, True, False, False, torch.float32),
-    ]  # fmt: skip
-    for n, k, act, norm, resid, bias, dt in cases:
-        rows = 2 * n if act == cuda_ops.ACT_SWIGLU else n
-        q = quantize_int4(torch.randn(rows, k, generator=gen) / 45, 64)
-        w = BlockedInt4Weight.from_int4(q).to("cuda")
-        x = torch.randn(1, k, generator=gen).to(dt)
-        nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(dt) if norm else None
-        b = (0.1 * torch.randn(n, generator=gen)).to(dt) if bias else None
-        r = torch.randn(1, n, generator=gen).to(dt) if resid else None
-
-        def run(x: torch.Tensor = x, w: Any = w, nw: Any = nw, b: Any = b, r: Any = r, act: int = act) -> Any:
-            return cuda_ops.fused_linear(x.cuda(), w, norm_weight=None if nw is None else nw.cuda(), eps=1e-6,
-                                         bias=None if b is None else b.cuda(), act=act,
-                                         residual=None if r is None else r.cuda()).float().cpu()  # fmt: skip
-
-        cuda_ops.USE_GLUON_GEMV = True
-        got = run()
-        cuda_ops.USE_GLUON_GEMV = False
-        tri = run()
-        ref = _gemv_reference(x, q, nw, b, act, r)
-        key = f"{n}x{k} act{act} norm{int(norm)} res{int(resid)} bias{int(bias)} {str(dt)[6:]}"
-        res["checks"][key] = {"gluon_vs_f64": rel(got, ref), "triton_vs_f64": rel(tri, ref),
-                              "gluon_vs_triton": rel(got, tri)}  # fmt: skip
-        print("gluon check", key, res["checks"][key], flush=True)
+    res["checks"] = _one_row_checks({"gluon": {"USE_STAGED_GEMV": False, "USE_GLUON_GEMV": True},
+                                     "triton": {"USE_STAGED_GEMV": False, "USE_GLUON_GEMV": False}})  # fmt: skip
+    cuda_ops.USE_STAGED_GEMV = False
     gen_cuda = torch.Generator(device="cuda").manual_seed(0)
     for name, (n, k, act) in SEED_SHAPES.items():
         ws = random_int4_copies(2 * n if act == 1 else n, k, gen_cuda)
@@ -1056,6 +1143,7 @@ SECTIONS = {
     "maxnreg": maxnreg_section,
     "gluon": gluon_section,
     "gluon_chain": gluon_chain_section,
+    "staged": staged_section,
     "timeline": timeline_section,
     "tiny_gemv": tiny_gemv_section,
 }

@@ -42,6 +42,7 @@ class RuntimeEnv:
     disable_cublas_fp16: bool
     disable_pdl: bool
     disable_gluon_gemv: bool
+    disable_staged_gemv: bool
     disable_flash2_prefill: bool
     use_cudnn_sdpa: bool
     cross_iter_round: bool
@@ -62,6 +63,7 @@ class RuntimeEnv:
             disable_cublas_fp16=_flag("TINYLOOP_DISABLE_CUBLAS_FP16"),
             disable_pdl=_flag("TINYLOOP_DISABLE_PDL"),
             disable_gluon_gemv=_flag("TINYLOOP_DISABLE_GLUON_GEMV"),
+            disable_staged_gemv=_flag("TINYLOOP_DISABLE_STAGED_GEMV"),
             disable_flash2_prefill=_flag("TINYLOOP_DISABLE_FLASH2_PREFILL"),
             use_cudnn_sdpa=_flag("TINYLOOP_USE_CUDNN_SDPA"),
             cross_iter_round=_flag("TINYLOOP_CROSS_ITER_ROUND"),

@@ -68,7 +68,6 @@ def test_kernel_column_order_rebuilds_the_weight() -> None:
 
 
 def test_launcher_takes_only_what_the_kernel_is_written_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cuda_ops, "USE_GLUON_GEMV", True)
     w64 = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(8, 128), 64))
     w32 = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(8, 128), 32))
     x = torch.randn(1, 128)
@@ -77,8 +76,23 @@ def test_launcher_takes_only_what_the_kernel_is_written_for(monkeypatch: pytest.
     assert cuda_ops._gluon_applies(x, w64, 1)
     assert not cuda_ops._gluon_applies(x, w64, 2)  # one row only
     assert not cuda_ops._gluon_applies(x, w32, 1)  # 64-column groups only
-    monkeypatch.setattr(cuda_ops, "USE_GLUON_GEMV", False)
-    assert not cuda_ops._gluon_applies(x, w64, 1)
+
+
+@pytest.mark.parametrize(
+    ("staged_on", "staged_runs", "gluon_on", "expected"),
+    [(True, True, True, ["staged"]), (True, False, True, ["staged", "gluon"]), (False, True, True, ["gluon"]),
+     (True, False, False, ["staged"]), (False, True, False, [])],
+)  # fmt: skip
+def test_one_row_dispatch_order(monkeypatch: pytest.MonkeyPatch, staged_on: bool, staged_runs: bool, gluon_on: bool,
+                                expected: list[str]) -> None:  # fmt: skip
+    calls: list[str] = []
+    monkeypatch.setattr(cuda_ops, "USE_STAGED_GEMV", staged_on)
+    monkeypatch.setattr(cuda_ops, "USE_GLUON_GEMV", gluon_on)
+    monkeypatch.setattr(cuda_ops, "_gemv_staged", lambda *a: calls.append("staged") or staged_runs)
+    monkeypatch.setattr(cuda_ops, "_gemv_gluon", lambda *a: calls.append("gluon") or True)
+    ran = cuda_ops._gemv_one_row_gluon(*[None] * 7, {})
+    assert calls == expected
+    assert ran == ((staged_on and staged_runs) or gluon_on)
 
 
 @pytest.mark.parametrize(("n", "k", "act"), [(6144, 2048, 0), (5632, 2048, 1), (2048, 5632, 0), (32000, 2048, 0),

@@ -45,6 +45,7 @@ def install(env: RuntimeEnv) -> bool:
     cuda_ops.USE_CUBLAS_16BIT = not env.disable_cublas_fp16
     cuda_ops.USE_PDL = not env.disable_pdl and pdl_supported()
     cuda_ops.USE_GLUON_GEMV = not env.disable_gluon_gemv and gluon_supported()
+    cuda_ops.USE_STAGED_GEMV = not env.disable_staged_gemv and staged_supported()
     if not _installed:
         register_linear_kernel("int4", "cuda", _int4_linear)
         _installed = True
@@ -71,6 +72,19 @@ def gluon_supported() -> bool:
     if not gluon_gemv.available():
         why = gluon_gemv._IMPORT_ERROR or "no Gluon layouts in this Triton"
         info(f"the Gluon decode GEMV is unavailable ({why}); the Triton one is used")
+        return False
+    return True
+
+
+def staged_supported() -> bool:
+    """The staged decode GEMV: TMA (a Hopper-or-later GPU) and a Triton whose Gluon has it."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
+        return False
+    from tinyloop.kernels import gluon_gemv_staged
+
+    if not gluon_gemv_staged.available():
+        why = gluon_gemv_staged._IMPORT_ERROR or "no TMA copies in this Triton's Gluon"
+        info(f"the staged decode GEMV is unavailable ({why})")
         return False
     return True
 

@@ -6,6 +6,7 @@ which is how the CPU test suite checks the kernels).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -161,8 +162,78 @@ def _gemv_gluon(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: t
     return True
 
 
+# One-row GEMVs that stage their whole weight slice in shared memory by TMA before waiting for the previous
+# kernel (kernels/gluon_gemv_staged.py): the decode chain's weight reads overlap the kernel before. Set by
+# kernels/cuda_backend.py on Hopper and later with a Triton that builds it, unless TINYLOOP_DISABLE_STAGED_GEMV.
+USE_STAGED_GEMV = False
+# Under PDL the staged kernel lets the next kernel launch before its own wait, so that the next GEMV stages
+# its weights while this one computes.
+STAGED_EARLY_LAUNCH = True
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def _gemv_staged(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: torch.Tensor, nw: torch.Tensor,
+                 b: torch.Tensor, eps: float, flags: dict) -> bool:  # fmt: skip
+    """Launches the staged GEMV; False where its plan does not apply (or, once, where it does not build)."""
+    global USE_STAGED_GEMV
+    from triton.compiler.errors import CompilationError
+    from triton.experimental.gluon.language import NVMMASharedLayout
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from tinyloop.kernels.gluon_gemv import PRMT_HIGH_BYTE
+    from tinyloop.kernels.gluon_gemv_staged import (
+        CHUNK_BLOCKS,
+        ROWS_PER_THREAD,
+        TILE_ROWS,
+        WARPS_ALONG_ROWS,
+        _gemv_int4_staged_kernel,
+        staged_plan,
+    )
+
+    N, K = out.shape[1], x.shape[1]
+    words = w.packed.view(torch.int32)
+    aligned = all(t.data_ptr() % 16 == 0 for t in (words, w.scale, w.minimum))
+    if not (aligned and words.is_contiguous() and w.scale.is_contiguous() and w.minimum.is_contiguous()):
+        return False
+    plan = staged_plan(N, K, flags["ACT"], _sm_count(x.device.index or 0), w.scale.element_size())
+    if plan is None:
+        return False
+    rows, blocks = words.shape[0], K // 64
+    word_layout = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
+    group_layout = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * w.scale.element_size(), rank=2)
+    w_desc = TensorDescriptor(words, [rows, blocks, 8], [blocks * 8, 8, 1], [TILE_ROWS, CHUNK_BLOCKS, 8], word_layout)
+    s_desc, m_desc = (TensorDescriptor(t, [rows, blocks], [blocks, 1], [TILE_ROWS, CHUNK_BLOCKS], group_layout)
+                      for t in (w.scale, w.minimum))  # fmt: skip
+    pdl = {"PDL": 2 if STAGED_EARLY_LAUNCH else 1, "launch_pdl": True} if USE_PDL else {"PDL": 0}
+    try:
+        _gemv_int4_staged_kernel[(plan.programs,)](
+            x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, PRMT_HIGH_BYTE, NORM=flags["NORM"],
+            BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"], TILES=plan.tiles, KCH=plan.chunks,
+            R=ROWS_PER_THREAD, WR=WARPS_ALONG_ROWS, num_warps=2 * WARPS_ALONG_ROWS, **pdl,
+        )  # fmt: skip
+    except CompilationError as exc:
+        USE_STAGED_GEMV = False
+        info(f"the staged decode GEMV does not build with Triton {triton.__version__} ({exc}); not using it")
+        return False
+    return True
+
+
+def _gemv_one_row_gluon(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: torch.Tensor,
+                        nw: torch.Tensor, b: torch.Tensor, eps: float, flags: dict) -> bool:  # fmt: skip
+    """The staged GEMV where it is on and its plan applies, else the plain Gluon one where it is on; False:
+    neither ran (the Triton kernel then does)."""
+    if USE_STAGED_GEMV and _gemv_staged(x, w, out, res, nw, b, eps, flags):
+        return True
+    return USE_GLUON_GEMV and _gemv_gluon(x, w, out, res, nw, b, eps, flags)
+
+
 def _gluon_applies(x: torch.Tensor, w: BlockedInt4Weight, M: int) -> bool:
-    return USE_GLUON_GEMV and M == 1 and w.group_size == 64 and x.shape[1] % 64 == 0 and x.is_cuda
+    """What both Gluon GEMVs (plain and staged) are written for: one row, 64-column groups, on CUDA."""
+    return M == 1 and w.group_size == 64 and x.shape[1] % 64 == 0 and x.is_cuda
 
 
 # The same for the blocked INT4 split-K kernel: (N, K, rows) -> (BLOCK_N, BLOCK_M, BLOCK_K, num_warps).
@@ -288,7 +359,7 @@ def fused_linear(
     args = (x, words, scale, minimum, out, res, nw, b, M, N, K, eps, x.stride(0), out.stride(0), res.stride(0))
     if isinstance(w, BlockedInt4Weight):
         del flags["INT4"]
-        if _gluon_applies(x, w, M) and _gemv_gluon(x, w, out, res, nw, b, eps, flags):
+        if _gluon_applies(x, w, M) and _gemv_one_row_gluon(x, w, out, res, nw, b, eps, flags):
             return out
         if M <= MATVEC_MAX_ROWS:
             block_n, block_b, warps = _blocked_config(N, K, M)

@@ -205,8 +205,14 @@ def _gemv_int4_gluon_kernel(
         rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(sumsq, axis=1), axis=0) / K + eps)
         y = y * rstd
         y_up = y_up * rstd
-    # The same rounding steps as triton_matmul._epilogue (the CPU-tested one), in Gluon's ops on this
-    # layout; keep the two in step.
+    _store_rows(y, y_up, rows, N, out_ptr, res_ptr, b_ptr, BIAS, ACT, RESIDUAL)
+
+
+@_jit
+def _store_rows(y, y_up, rows, N, out_ptr, res_ptr, b_ptr, BIAS: gl.constexpr, ACT: gl.constexpr,
+                RESIDUAL: gl.constexpr):  # fmt: skip
+    """out[rows] = act(y + bias) (+ residual), y_up the SwiGLU up half. The same rounding steps as
+    triton_matmul._epilogue (the CPU-tested one), in Gluon's ops on any row layout; keep the two in step."""
     row_mask = rows < N
     dt = out_ptr.dtype.element_ty
     if BIAS:
