@@ -166,9 +166,10 @@ def _gemv_gluon(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: t
 # kernel (kernels/gluon_gemv_staged.py): the decode chain's weight reads overlap the kernel before. Set by
 # kernels/cuda_backend.py on Hopper and later with a Triton that builds it, unless TINYLOOP_DISABLE_STAGED_GEMV.
 USE_STAGED_GEMV = False
-# Under PDL the staged kernel lets the next kernel launch before its own wait, so that the next GEMV stages
-# its weights while this one computes.
-STAGED_EARLY_LAUNCH = True
+# Under PDL the staged kernel lets the next kernel launch before its own wait (True) or after it (False). After
+# it, the next GEMV stages its weights while this one computes, and no further: before it, every kernel up to
+# the next attention launched at once and staged together (session 9, first run: 1,328 µs per step).
+STAGED_EARLY_LAUNCH = False
 
 
 @functools.cache

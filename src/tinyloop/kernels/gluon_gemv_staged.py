@@ -124,19 +124,21 @@ def _gemv_int4_staged_kernel(
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [BOXES, BN, _CHUNK, 8], w_desc.layout)
     s_smem = gl.allocate_shared_memory(s_desc.dtype, [BOXES, BN, _CHUNK], s_desc.layout)
     m_smem = gl.allocate_shared_memory(m_desc.dtype, [BOXES, BN, _CHUNK], m_desc.layout)
-    bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(bar, count=1)
+    # One barrier per tile, so that the first tile's arithmetic starts while later tiles are still arriving.
+    bars = gl.allocate_shared_memory(gl.int64, [TILES, 1], mbarrier.MBarrierLayout())
+    for t in gl.static_range(TILES):
+        mbarrier.init(bars.index(t), count=1)
     fence_async_shared()
     box_bytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + m_desc.block_type.nbytes
-    mbarrier.expect(bar, BOXES * box_bytes)
-    for h in gl.static_range(HALVES):
-        for t in gl.static_range(TILES):
+    for t in gl.static_range(TILES):
+        mbarrier.expect(bars.index(t), HALVES * KCH * box_bytes)
+        for h in gl.static_range(HALVES):
             for c in gl.static_range(KCH):
                 i = (h * TILES + t) * KCH + c
                 r = row0 + t * BN + h * N
-                tma.async_copy_global_to_shared(w_desc, [r, c * _CHUNK, 0], bar, w_smem.index(i))
-                tma.async_copy_global_to_shared(s_desc, [r, c * _CHUNK], bar, s_smem.index(i))
-                tma.async_copy_global_to_shared(m_desc, [r, c * _CHUNK], bar, m_smem.index(i))
+                tma.async_copy_global_to_shared(w_desc, [r, c * _CHUNK, 0], bars.index(t), w_smem.index(i))
+                tma.async_copy_global_to_shared(s_desc, [r, c * _CHUNK], bars.index(t), s_smem.index(i))
+                tma.async_copy_global_to_shared(m_desc, [r, c * _CHUNK], bars.index(t), m_smem.index(i))
     if PDL == 2:  # the next kernel may start now and stage its own weights
         _launch_dependents()
         _wait_for_previous_kernel()
@@ -166,9 +168,9 @@ def _gemv_int4_staged_kernel(
     if NORM:
         rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(gl.sum(sumsq, axis=2), axis=1), axis=0) / K + eps)
     gl.thread_barrier()
-    mbarrier.wait(bar, 0)
 
     for t in gl.static_range(TILES):
+        mbarrier.wait(bars.index(t), 0)
         acc = gl.zeros([BN, _CHUNK], gl.float32, layout=L2)
         acc_up = gl.zeros([BN, _CHUNK], gl.float32, layout=L2)
         for c in gl.static_range(KCH):
@@ -202,4 +204,5 @@ def _gemv_int4_staged_kernel(
         y = gl.sum(acc, axis=1) * rstd
         y_up = gl.sum(acc_up, axis=1) * rstd
         _store_rows(y, y_up, rows, N, out_ptr, res_ptr, b_ptr, BIAS, ACT, RESIDUAL)
-    mbarrier.invalidate(bar)
+    for t in gl.static_range(TILES):
+        mbarrier.invalidate(bars.index(t))
