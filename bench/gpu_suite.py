@@ -466,7 +466,7 @@ ONE_ROW_CASES = [  # (N, K, act, norm, residual, bias, dtype)
 ]  # fmt: skip
 
 
-def _one_row_checks(settings: dict[str, dict[str, bool]]) -> dict[str, dict[str, float]]:
+def _one_row_checks(settings: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     """One-row fused_linear on ONE_ROW_CASES under each setting of cuda_ops switches: relative error against
     float64 and against the first setting."""
     gen = torch.Generator().manual_seed(1)
@@ -495,6 +495,7 @@ def _one_row_checks(settings: dict[str, dict[str, bool]]) -> dict[str, dict[str,
     return checks
 
 
+STAGED_LAYOUTS = [(2, 8), (1, 16)]  # (rows per thread, warps): cuda_ops.STAGED_LAYOUT candidates, default first
 STAGED_SMOKE = """
 import torch
 from tinyloop.kernels import cuda_ops
@@ -527,9 +528,10 @@ def staged_section() -> dict[str, Any]:
     print("staged smoke", res["smoke"], flush=True)
     if res["smoke"]["rc"] != 0:
         return res
-    on = {"USE_STAGED_GEMV": True, "USE_GLUON_GEMV": True}
-    off = {"USE_STAGED_GEMV": False, "USE_GLUON_GEMV": False}
-    settings = {"staged": on, "gluon": {**on, "USE_STAGED_GEMV": False}, "triton": off}
+    on: dict[str, Any] = {"USE_STAGED_GEMV": True, "USE_GLUON_GEMV": True}
+    settings = {f"staged{layout}": {**on, "STAGED_LAYOUT": layout} for layout in STAGED_LAYOUTS}
+    settings["gluon"] = {**on, "USE_STAGED_GEMV": False}
+    settings["triton"] = {"USE_STAGED_GEMV": False, "USE_GLUON_GEMV": False}
     res["checks"] = _one_row_checks(settings)
     res["alone"] = {}
     gen_cuda = torch.Generator(device="cuda").manual_seed(0)
@@ -544,6 +546,7 @@ def staged_section() -> dict[str, Any]:
         print("staged alone", name, {c: round(v["us"], 2) for c, v in res["alone"][name].items()}, flush=True)
         del ws
         torch.cuda.empty_cache()
+    cuda_ops.STAGED_LAYOUT = STAGED_LAYOUTS[0]
     wait_for_models(SEED_PATH)
     chain: dict[str, list[float]] = {"gluon": [], "staged": []}
     tokens = {}
@@ -559,13 +562,17 @@ def staged_section() -> dict[str, Any]:
     print("staged chain", chain, res["greedy_tokens_identical"], flush=True)
     m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
     decode_ms = _recapturing_decode(m)
-    early: dict[str, list[float]] = {}
-    for flag in (True, False, True, False):
-        cuda_ops.STAGED_EARLY_LAUNCH = flag
-        early.setdefault(str(flag), []).append(decode_ms())
-    res["early_launch_ms"] = early
-    cuda_ops.STAGED_EARLY_LAUNCH = min(early, key=lambda f: min(early[f])) == "True"
-    print("staged early launch", early, flush=True)
+    variants: dict[str, list[float]] = {}
+    for _ in range(2):
+        for layout in STAGED_LAYOUTS:
+            for early_launch in (False, True):
+                cuda_ops.STAGED_LAYOUT, cuda_ops.STAGED_EARLY_LAUNCH = layout, early_launch
+                variants.setdefault(f"{layout} early={early_launch}", []).append(decode_ms())
+    res["variants_ms"] = variants
+    best = min(variants, key=lambda v: min(variants[v]))
+    cuda_ops.STAGED_LAYOUT = next(la for la in STAGED_LAYOUTS if best.startswith(str(la)))
+    cuda_ops.STAGED_EARLY_LAUNCH = best.endswith("True")
+    print("staged variants", variants, flush=True)
     m.close()
     torch.cuda.empty_cache()
     return res

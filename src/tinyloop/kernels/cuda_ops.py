@@ -170,6 +170,8 @@ USE_STAGED_GEMV = False
 # it, the next GEMV stages its weights while this one computes, and no further: before it, every kernel up to
 # the next attention launched at once and staged together (session 9, first run: 1,328 µs per step).
 STAGED_EARLY_LAUNCH = False
+# (rows per thread, warps) of the staged GEMV's tile, rows per thread x warps = TILE_ROWS.
+STAGED_LAYOUT = (2, 8)
 
 
 @functools.cache
@@ -188,9 +190,7 @@ def _gemv_staged(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: 
     from tinyloop.kernels.gluon_gemv import PRMT_HIGH_BYTE
     from tinyloop.kernels.gluon_gemv_staged import (
         CHUNK_BLOCKS,
-        ROWS_PER_THREAD,
         TILE_ROWS,
-        WARPS_ALONG_ROWS,
         _gemv_int4_staged_kernel,
         staged_plan,
     )
@@ -214,7 +214,7 @@ def _gemv_staged(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: 
         _gemv_int4_staged_kernel[(plan.programs,)](
             x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, PRMT_HIGH_BYTE, NORM=flags["NORM"],
             BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"], TILES=plan.tiles, KCH=plan.chunks,
-            R=ROWS_PER_THREAD, WR=WARPS_ALONG_ROWS, num_warps=2 * WARPS_ALONG_ROWS, **pdl,
+            R=STAGED_LAYOUT[0], WR=STAGED_LAYOUT[1], num_warps=STAGED_LAYOUT[1], **pdl,
         )  # fmt: skip
     except CompilationError as exc:
         USE_STAGED_GEMV = False

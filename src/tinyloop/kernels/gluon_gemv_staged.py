@@ -40,10 +40,8 @@ CHUNK_BLOCKS = 32
 _CHUNK = tl.constexpr(CHUNK_BLOCKS)
 
 
-# Rows per tile: R = 4 rows per thread x WR = 4 warps along rows (8 warps: 2 along blocks).
+# Rows per tile: R rows per thread x WR warps (all along rows); cuda_ops picks (R, WR) with R * WR = 16.
 TILE_ROWS = 16
-ROWS_PER_THREAD = 4
-WARPS_ALONG_ROWS = 4
 # Shared memory one program may take: two must fit in an SM (227 KiB on Hopper), this kernel's and the next
 # kernel's, or the next one cannot start staging while this one computes.
 SMEM_BUDGET = 120 * 1024
@@ -110,12 +108,13 @@ def _gemv_int4_staged_kernel(
     """out[n] = act(sum_k norm(x)_k w[n, k]) (+ residual) for one row x; rows pid * TILES * R * WR.. of w.
     w_desc: the words as [rows, blocks, 8] with [R * WR, 32, 8] boxes; s_desc / m_desc: scales and minimums
     as [rows, blocks] with [R * WR, 32] boxes. SwiGLU (ACT 1) reads the up half N rows further down."""
-    # A thread holds R rows x 4 words of one 64-column block; a warp 16 blocks x 2 half-blocks of one row.
-    L3: gl.constexpr = gl.BlockedLayout([R, 1, 4], [1, 16, 2], [WR, 2, 1], [2, 1, 0])
+    # A thread holds R rows x 4 words of two 64-column blocks; a warp the 32 blocks (x 2 half-blocks) of a
+    # chunk for its rows, so that no sum over blocks crosses warps (no barrier per tile).
+    L3: gl.constexpr = gl.BlockedLayout([R, 2, 4], [1, 16, 2], [WR, 1, 1], [2, 1, 0])
     L2: gl.constexpr = gl.SliceLayout(2, L3)  # [rows, blocks]
     XL: gl.constexpr = gl.SliceLayout(0, L3)  # [blocks, words]
     # Staged x: [nibble j, block, word] so that the words' x for one j are contiguous (no bank conflicts).
-    XS: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 16, 2], [2 * WR, 1, 1], [2, 1, 0])
+    XS: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 16, 2], [WR, 1, 1], [2, 1, 0])
     BN: gl.constexpr = R * WR
     HALVES: gl.constexpr = 2 if ACT == 1 else 1
     BOXES: gl.constexpr = HALVES * TILES * KCH
