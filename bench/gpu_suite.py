@@ -495,7 +495,8 @@ def _one_row_checks(settings: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
     return checks
 
 
-STAGED_LAYOUTS = [(2, 8), (1, 16)]  # (rows per thread, warps): cuda_ops.STAGED_LAYOUT candidates, default first
+# cuda_ops.STAGED_LAYOUT candidates (rows per thread, warps, register cap), the default first
+STAGED_LAYOUTS = [(2, 8, 0), (1, 16, 0), (1, 16, 64)]
 STAGED_SMOKE = """
 import torch
 from tinyloop.kernels import cuda_ops

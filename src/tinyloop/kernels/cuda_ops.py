@@ -170,8 +170,9 @@ USE_STAGED_GEMV = False
 # it, the next GEMV stages its weights while this one computes, and no further: before it, every kernel up to
 # the next attention launched at once and staged together (session 9, first run: 1,328 µs per step).
 STAGED_EARLY_LAUNCH = False
-# (rows per thread, warps) of the staged GEMV's tile, rows per thread x warps = TILE_ROWS.
-STAGED_LAYOUT = (2, 8)
+# (rows per thread, warps, register cap or 0) of the staged GEMV: rows per thread x warps = TILE_ROWS. The
+# cap matters where a program's registers would keep the next kernel's program off the SM.
+STAGED_LAYOUT = (2, 8, 0)
 
 
 @functools.cache
@@ -215,6 +216,7 @@ def _gemv_staged(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: 
             x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, PRMT_HIGH_BYTE, NORM=flags["NORM"],
             BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"], TILES=plan.tiles, KCH=plan.chunks,
             R=STAGED_LAYOUT[0], WR=STAGED_LAYOUT[1], num_warps=STAGED_LAYOUT[1], **pdl,
+            **({"maxnreg": STAGED_LAYOUT[2]} if STAGED_LAYOUT[2] else {}),
         )  # fmt: skip
     except CompilationError as exc:
         USE_STAGED_GEMV = False

@@ -205,18 +205,30 @@ def _gemv_int4_gluon_kernel(
         rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(sumsq, axis=1), axis=0) / K + eps)
         y = y * rstd
         y_up = y_up * rstd
-    _store_rows(y, y_up, rows, N, out_ptr, res_ptr, b_ptr, BIAS, ACT, RESIDUAL)
+    bias, res = _load_bias_residual(rows, N, b_ptr, res_ptr, BIAS, RESIDUAL)
+    _store_rows(y, y_up, rows, N, out_ptr, bias, res, BIAS, ACT, RESIDUAL)
 
 
 @_jit
-def _store_rows(y, y_up, rows, N, out_ptr, res_ptr, b_ptr, BIAS: gl.constexpr, ACT: gl.constexpr,
-                RESIDUAL: gl.constexpr):  # fmt: skip
-    """out[rows] = act(y + bias) (+ residual), y_up the SwiGLU up half. The same rounding steps as
-    triton_matmul._epilogue (the CPU-tested one), in Gluon's ops on any row layout; keep the two in step."""
+def _load_bias_residual(rows, N, b_ptr, res_ptr, BIAS: gl.constexpr, RESIDUAL: gl.constexpr):
+    """Bias and residual at `rows` as float32 (0 where absent), for _store_rows."""
     row_mask = rows < N
+    bias = 0.0
+    res = 0.0
+    if BIAS:
+        bias = gl.load(b_ptr + rows, mask=row_mask, other=0.0).to(gl.float32)
+    if RESIDUAL:
+        res = gl.load(res_ptr + rows, mask=row_mask, other=0.0).to(gl.float32)
+    return bias, res
+
+
+@_jit
+def _store_rows(y, y_up, rows, N, out_ptr, bias, res, BIAS: gl.constexpr, ACT: gl.constexpr, RESIDUAL: gl.constexpr):
+    """out[rows] = act(y + bias) (+ res), y_up the SwiGLU up half. The same rounding steps as
+    triton_matmul._epilogue (the CPU-tested one), in Gluon's ops on any row layout; keep the two in step."""
     dt = out_ptr.dtype.element_ty
     if BIAS:
-        y = y + gl.load(b_ptr + rows, mask=row_mask, other=0.0).to(gl.float32)
+        y = y + bias
     y = y.to(dt).to(gl.float32)
     if ACT == 1:
         up = y_up.to(dt).to(gl.float32)
@@ -224,5 +236,5 @@ def _store_rows(y, y_up, rows, N, out_ptr, res_ptr, b_ptr, BIAS: gl.constexpr, A
     elif ACT == 2:
         y = 0.5 * y * (1.0 + gl.erf(y * 0.7071067811865476))
     if RESIDUAL:
-        y = y.to(dt).to(gl.float32) + gl.load(res_ptr + rows, mask=row_mask, other=0.0).to(gl.float32)
-    gl.store(out_ptr + rows, y.to(dt), mask=row_mask)
+        y = y.to(dt).to(gl.float32) + res
+    gl.store(out_ptr + rows, y.to(dt), mask=rows < N)

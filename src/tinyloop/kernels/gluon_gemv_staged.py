@@ -21,6 +21,7 @@ import triton.language as tl
 from tinyloop.kernels.gluon_gemv import (
     _jit,
     _launch_dependents,
+    _load_bias_residual,
     _nibble_as_float,
     _store_rows,
     _wait_for_previous_kernel,
@@ -169,6 +170,10 @@ def _gemv_int4_staged_kernel(
     gl.thread_barrier()
 
     for t in gl.static_range(TILES):
+        rows = row0 + t * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, L2))
+        # Fetched first, so that their latency hides behind the tile's arithmetic (the residual is the
+        # previous kernel's output: it cannot come before the wait).
+        bias, res = _load_bias_residual(rows, N, b_ptr, res_ptr, BIAS, RESIDUAL)
         mbarrier.wait(bars.index(t), 0)
         acc = gl.zeros([BN, _CHUNK], gl.float32, layout=L2)
         acc_up = gl.zeros([BN, _CHUNK], gl.float32, layout=L2)
@@ -199,9 +204,8 @@ def _gemv_int4_staged_kernel(
                 s_up = s_smem.index(i + TILES * KCH).load(L2).to(gl.float32)
                 mn_up = m_smem.index(i + TILES * KCH).load(L2).to(gl.float32)
                 acc_up += s_up * (16.0 * (gl.sum(part_up, axis=2) - xs)) + mn_up * xs
-        rows = row0 + t * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, L2))
         y = gl.sum(acc, axis=1) * rstd
         y_up = gl.sum(acc_up, axis=1) * rstd
-        _store_rows(y, y_up, rows, N, out_ptr, res_ptr, b_ptr, BIAS, ACT, RESIDUAL)
+        _store_rows(y, y_up, rows, N, out_ptr, bias, res, BIAS, ACT, RESIDUAL)
     for t in gl.static_range(TILES):
         mbarrier.invalidate(bars.index(t))
