@@ -264,3 +264,22 @@ def test_dense_weights_reused_dequantizes_kept_weights_once_per_scope() -> None:
         assert ops._dense_weight(kept, torch.float32) is first  # the outer scope is back
         assert scope.nbytes == first.nbytes
     assert ops._dense_weight(kept, torch.float32) is not first
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("blocked", [False, True], ids=["plain", "blocked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_int4_embedding_rows_match_a_float64_dequantization(group: int, blocked: bool, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(group)
+    V, D = 37, 384  # D under one 512-column program: a masked tail
+    q = quantize_int4(torch.randn(V, D, generator=gen), group)
+    table = BlockedInt4Weight.from_int4(q) if blocked else q
+    ids = torch.tensor([[3, 36, 0], [3, 17, 5]])
+    got = ops.int4_rows(ids, table, dtype)
+    codes = torch.stack((q.packed & 0x0F, q.packed >> 4), dim=-1).flatten(-2).double()  # plain column order
+    ref = codes.view(V, D // group, group) * q.scale.double()[..., None] + q.minimum.double()[..., None]
+    ref = ref.view(V, D)[ids]
+    assert got.shape == (2, 3, D) and got.dtype == dtype
+    assert frob_rel_error(got, ref) <= (1e-7 if dtype == torch.float32 else 1e-3)
+    assert torch.equal(got, table.rows(ids, dtype))  # the same rounding as the torch path
+    assert ops.int4_rows(torch.zeros(0, dtype=torch.long), table, dtype).shape == (0, D)

@@ -6,7 +6,7 @@ import torch
 
 from tinyloop.env import RuntimeEnv
 from tinyloop.kernels import attention_backend
-from tinyloop.kernels.dispatch import Weight, register_linear_kernel
+from tinyloop.kernels.dispatch import Weight, register_embedding_kernel, register_linear_kernel
 from tinyloop.log import info
 from tinyloop.quant import Int4Weight
 
@@ -29,6 +29,13 @@ def _int4_linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     return fused_linear(flat, w).view(*x.shape[:-1], w.shape[0])
 
 
+def _int4_embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
+    from tinyloop.kernels.cuda_ops import int4_rows
+
+    assert isinstance(w, Int4Weight)
+    return int4_rows(ids, w, dtype)
+
+
 def install(env: RuntimeEnv) -> bool:
     """Route INT4 matmuls on CUDA to the Triton kernels and apply the attention/GEMM switches.
 
@@ -48,6 +55,7 @@ def install(env: RuntimeEnv) -> bool:
     cuda_ops.USE_STAGED_GEMV = not env.disable_staged_gemv and staged_supported()
     if not _installed:
         register_linear_kernel("int4", "cuda", _int4_linear)
+        register_embedding_kernel("int4", "cuda", _int4_embedding)
         _installed = True
     return True
 

@@ -18,6 +18,7 @@ import triton
 from tinyloop.kernels.dispatch import Weight
 from tinyloop.kernels.triton_attention import _cached_attention_kernel, _rope_attention_kernel, _rope_store_kernel
 from tinyloop.kernels.triton_elementwise import _add_kernel, _swiglu_kernel
+from tinyloop.kernels.triton_embedding import _int4_rows_kernel
 from tinyloop.kernels.triton_matmul import (
     _dequant_kernel,
     _gemv_blocked_int4_kernel,
@@ -614,3 +615,18 @@ def rope_attention(
         num_warps=warps, **_pdl(),
     )  # fmt: skip
     return out
+
+
+def int4_rows(ids: torch.Tensor, w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """Embedding rows of an INT4 table (plain or blocked layout) for token ids [...] -> [..., D] in `dtype`,
+    in one launch."""
+    D = w.shape[1]
+    flat = ids.reshape(-1)
+    out = torch.empty((flat.numel(), D), dtype=dtype, device=ids.device)
+    if flat.numel():
+        block = min(1024, triton.next_power_of_2(D))
+        _int4_rows_kernel[(flat.numel(), triton.cdiv(D, block))](
+            flat, w.packed, w.scale, w.minimum, out, D, w.packed.stride(0), w.scale.stride(0),
+            GROUP=w.group_size, BLOCKED=isinstance(w, BlockedInt4Weight), BLOCK=block, num_warps=4, **_pdl(),
+        )  # fmt: skip
+    return out.view(*ids.shape, D)

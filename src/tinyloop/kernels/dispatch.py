@@ -16,8 +16,10 @@ from tinyloop.stochastic.weight import StochasticInt4Weight
 
 Weight = torch.Tensor | Int8Weight | Int4Weight
 LinearKernel = Callable[[torch.Tensor, Weight], torch.Tensor]
+EmbeddingKernel = Callable[[torch.Tensor, Weight, torch.dtype], torch.Tensor]
 
 _LINEAR_KERNELS: dict[tuple[str, str], LinearKernel] = {}
+_EMBEDDING_KERNELS: dict[tuple[str, str], EmbeddingKernel] = {}
 
 
 def weight_kind(w: Weight) -> str:
@@ -35,6 +37,11 @@ def register_linear_kernel(kind: str, device_type: str, kernel: LinearKernel) ->
     _LINEAR_KERNELS[(kind, device_type)] = kernel
 
 
+def register_embedding_kernel(kind: str, device_type: str, kernel: EmbeddingKernel) -> None:
+    """Route `embedding` for tables of `kind` on `device_type` to `kernel`."""
+    _EMBEDDING_KERNELS[(kind, device_type)] = kernel
+
+
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x @ w.T for any weight kind."""
     if isinstance(w, torch.Tensor) and not _LINEAR_KERNELS:
@@ -49,6 +56,9 @@ def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
 
 def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
     """Rows of the embedding table for token ids, in `dtype`."""
+    kernel = _EMBEDDING_KERNELS.get((weight_kind(w), ids.device.type)) if _EMBEDDING_KERNELS else None
+    if kernel is not None:
+        return kernel(ids, w, dtype)
     if isinstance(w, torch.Tensor):
         return F.embedding(ids, w).to(dtype)
     return w.rows(ids, dtype)
