@@ -579,6 +579,36 @@ def staged_section() -> dict[str, Any]:
     return res
 
 
+# cuda_ops.SPLIT_ATTENTION candidates: (splits, keys per block, warps); None: one program per head.
+SPLIT_CANDIDATES: list[tuple[int, int, int] | None] = [None, (2, 128, 4), (4, 64, 4), (8, 32, 4), (4, 64, 8)]
+
+
+def attention_split_section() -> dict[str, Any]:
+    """One-token attention split along the keys (cuda_ops.SPLIT_ATTENTION) in the chain: seed-407m, 64 raw
+    decode steps at 8 loops after a 128-token prompt (129-192 keys), each candidate twice on one model; then
+    32 greedy tokens with the winner and without splits on fresh models. The winner applies to later
+    sections where its tokens agree."""
+    wait_for_models(SEED_PATH)
+    m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
+    decode_ms = _recapturing_decode(m)
+    table: dict[str, list[float]] = {}
+    for _ in range(2):
+        for cand in SPLIT_CANDIDATES:
+            cuda_ops.SPLIT_ATTENTION = cand
+            table.setdefault(str(cand), []).append(decode_ms())
+    m.close()
+    best = min(SPLIT_CANDIDATES, key=lambda c: min(table[str(c)]))
+    tokens = {}
+    for cand in (None, best):
+        cuda_ops.SPLIT_ATTENTION = cand
+        tokens[str(cand)] = _fresh_seed_decode()[1]
+    identical = tokens["None"] == tokens[str(best)]
+    cuda_ops.SPLIT_ATTENTION = best if identical else None
+    print("attention split", {c: [round(v, 2) for v in t] for c, t in table.items()}, best, identical, flush=True)
+    torch.cuda.empty_cache()
+    return {"ms": table, "best": str(best), "greedy_tokens_identical": identical}
+
+
 def gluon_section() -> dict[str, Any]:
     """The Gluon decode GEMV (kernels/gluon_gemv.py) against float64 and the Triton GEMV, then alone per
     seed-407m shape (tiles, weights streamed from DRAM) and in the model's chain: seed-407m, 64 raw decode
@@ -1152,6 +1182,7 @@ SECTIONS = {
     "gluon": gluon_section,
     "gluon_chain": gluon_chain_section,
     "staged": staged_section,
+    "attention_split": attention_split_section,
     "timeline": timeline_section,
     "tiny_gemv": tiny_gemv_section,
 }

@@ -227,11 +227,14 @@ def test_rope_store_and_cached_attention(pairing: str, T: int) -> None:
 
 @pytest.mark.parametrize("tile", [(128, 4), (256, 8)])
 @pytest.mark.parametrize("pairing", ["half", "interleaved"])
+@pytest.mark.parametrize("split", [None, (4, 64, 4), (2, 32, 2)], ids=["whole", "4-splits", "2-splits"])
 def test_one_token_rope_attention_equals_two_kernels(
-    pairing: str, tile: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+    pairing: str, tile: tuple[int, int], split: tuple[int, int, int] | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Both attention tiles (keys per block, warps), positions past one block of either."""
+    """Both attention tiles (keys per block, warps), positions past one block of either; split along the
+    keys (positions 0 and 7 leave splits empty), twice, so the arrival counts must have been reset."""
     monkeypatch.setattr(ops, "NARROW_HEAD_ATTENTION", tile)
+    monkeypatch.setattr(ops, "SPLIT_ATTENTION", split)
     B, H, KVH, hd, S = 3, 4, 2, 16, 300
     gen = torch.Generator().manual_seed(4)
     cfg = ArchConfig(
@@ -248,6 +251,11 @@ def test_one_token_rope_attention_equals_two_kernels(
     ref = ops.cached_attention(q, k2, v2, pos, 1)
     assert torch.allclose(k_cache, k2, atol=1e-6) and torch.equal(v_cache, v2)
     assert frob_rel_error(out, ref.double()) <= 1e-6
+    again = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, pairing == "interleaved")
+    assert torch.equal(again, out)
+    if split is not None:
+        counts = ops._split_scratch(qkv.device, B * H, split[0], hd)[1]
+        assert not bool(counts.any())
 
 
 def test_dense_weights_reused_dequantizes_kept_weights_once_per_scope() -> None:

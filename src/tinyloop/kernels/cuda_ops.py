@@ -591,6 +591,24 @@ def cached_attention(
     return out
 
 
+# One-token attention split along the keys: (splits, a power of two; keys per block; warps), or None: one
+# program per (row, head). Few heads means few programs (16 for seed-407m), each walking its whole cache;
+# splits put more SMs on it and the last split to finish merges the partial softmaxes
+# (kernels/triton_attention.py).
+SPLIT_ATTENTION: tuple[int, int, int] | None = None
+_SPLIT_SCRATCH: dict[tuple[torch.device, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_scratch(device: torch.device, programs: int, splits: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Partial softmax states and arrival counts for split attention, kept per shape: the counts must be zero
+    before a launch and every launch leaves them zero, so a captured graph can reuse them."""
+    key = (device, programs, splits, head_dim)
+    if key not in _SPLIT_SCRATCH:
+        part = torch.empty((programs * splits, head_dim + 2), dtype=torch.float32, device=device)
+        _SPLIT_SCRATCH[key] = (part, torch.zeros(programs, dtype=torch.int32, device=device))
+    return _SPLIT_SCRATCH[key]
+
+
 def rope_attention(
     qkv: torch.Tensor,
     k_cache: torch.Tensor,
@@ -608,11 +626,16 @@ def rope_attention(
     rows = qkv.shape[0]
     out = torch.empty((rows, n_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
     block, warps = _attention_tile(head_dim)
-    _rope_attention_kernel[(rows, n_heads)](
-        qkv, k_cache, v_cache, positions, cos, sin, out, head_dim**-0.5, qkv.stride(0),
+    splits = 1
+    part = count = out
+    if SPLIT_ATTENTION is not None:
+        splits, block, warps = SPLIT_ATTENTION
+        part, count = _split_scratch(qkv.device, rows * n_heads, splits, head_dim)
+    _rope_attention_kernel[(rows, n_heads, splits)](
+        qkv, k_cache, v_cache, positions, cos, sin, out, part, count, head_dim**-0.5, qkv.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         N_HEADS=n_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, INTERLEAVED=interleaved, BLOCK_S=block,
-        num_warps=warps, **_pdl(),
+        SPLITS=splits, num_warps=warps, **_pdl(),
     )  # fmt: skip
     return out
 

@@ -166,6 +166,8 @@ def _rope_attention_kernel(
     cos_ptr,
     sin_ptr,
     out_ptr,
+    part_ptr,
+    count_ptr,
     scale,
     stride_qkv,
     stride_cb,
@@ -176,23 +178,33 @@ def _rope_attention_kernel(
     HEAD_DIM: tl.constexpr,
     INTERLEAVED: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """One-token steps in one launch: program (b, h) ropes query head h and its kv head's new key, attends
-    to cache positions 0..pos-1 plus the new key/value held in registers, and (first query head of each kv
-    group) writes the new key/value into the cache. No program reads cache position pos, so the write
-    needs no ordering against the other programs. The first block of cached keys and values is loaded
-    before the wait on the previous kernel (the qkv matmul): those positions were written by earlier
-    steps, and the positions by the host before the step, so the loads overlap the matmul's tail."""
+    """One-token steps in one launch: program (b, h, split) ropes query head h and its kv head's new key,
+    attends to its split of cache positions 0..pos-1 (whole blocks of BLOCK_S; the last split also to the
+    new key/value, held in registers), and (split 0, first query head of each kv group) writes the new
+    key/value into the cache. No program reads cache position pos, so the write needs no ordering against
+    the other programs. The split's first block of cached keys and values is loaded before the wait on the
+    previous kernel (the qkv matmul): those positions were written by earlier steps, and the positions by
+    the host before the step, so the loads overlap the matmul's tail.
+
+    SPLITS > 1: each split leaves its running max, sum and weighted values in part_ptr ([B, H, SPLITS,
+    HEAD_DIM + 2] float32) and counts itself in count_ptr ([B, H] int32, zero between launches); the split
+    that counts last merges the partial softmaxes, writes the output and zeroes the count again."""
     b = tl.program_id(0)
     h = tl.program_id(1)
+    split = tl.program_id(2)
     kvh = h // (N_HEADS // N_KV)
     pos = tl.load(pos_ptr + b)
+    span = tl.cdiv(tl.cdiv(pos, SPLITS), BLOCK_S) * BLOCK_S
+    lo = split * span
+    hi = tl.minimum(lo + span, pos)
     half, idx1, idx2 = _rope_pairs(HEAD_DIM, INTERLEAVED)
     offs_d = tl.arange(0, HEAD_DIM)
     k_cache = k_cache_ptr + b * stride_cb + kvh * stride_ch
     v_cache = v_cache_ptr + b * stride_cb + kvh * stride_ch
-    ka, kb, v, s_mask = _cached_block(k_cache, v_cache, 0, pos, stride_cs, idx1, idx2, offs_d, BLOCK_S)
+    ka, kb, v, s_mask = _cached_block(k_cache, v_cache, lo, hi, stride_cs, idx1, idx2, offs_d, BLOCK_S)
     _wait_for_previous_kernel(PDL)
     row = qkv_ptr + b * stride_qkv
     c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + half)
@@ -211,18 +223,49 @@ def _rope_attention_kernel(
     qr1, qr2 = _rotate(q1, q2, c, s)
     qr1 = qr1.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
     qr2 = qr2.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
-    if h % (N_HEADS // N_KV) == 0:
+    if split == 0 and h % (N_HEADS // N_KV) == 0:
         tl.store(k_cache + pos * stride_cs + idx1, kr1)
         tl.store(k_cache + pos * stride_cs + idx2, kr2)
         tl.store(v_cache + pos * stride_cs + offs_d, v_new.to(dt))
-    m_i = tl.sum(kr1.to(tl.float32) * qr1, axis=0) + tl.sum(kr2.to(tl.float32) * qr2, axis=0)
-    l_i = tl.full((), 1.0, tl.float32)
-    acc = v_new.to(dt).to(tl.float32)
+    new_score = tl.sum(kr1.to(tl.float32) * qr1, axis=0) + tl.sum(kr2.to(tl.float32) * qr2, axis=0)
+    holds_new = split == SPLITS - 1
+    # A split without the new key may see no key at all: a finite floor keeps its state 0 instead of NaN.
+    m_i = tl.where(holds_new, new_score, -1.0e30)
+    l_i = tl.where(holds_new, 1.0, 0.0)
+    acc = tl.where(holds_new, v_new.to(dt).to(tl.float32), 0.0)
     scores = tl.sum(ka * qr1[None, :], axis=1) + tl.sum(kb * qr2[None, :], axis=1)
     m_i, l_i, acc = _softmax_block(tl.where(s_mask, scores, float("-inf")), v, m_i, l_i, acc)
-    for s0 in range(BLOCK_S, pos, BLOCK_S):
-        ka, kb, v, s_mask = _cached_block(k_cache, v_cache, s0, pos, stride_cs, idx1, idx2, offs_d, BLOCK_S)
+    for s0 in range(lo + BLOCK_S, hi, BLOCK_S):
+        ka, kb, v, s_mask = _cached_block(k_cache, v_cache, s0, hi, stride_cs, idx1, idx2, offs_d, BLOCK_S)
         scores = tl.sum(ka * qr1[None, :], axis=1) + tl.sum(kb * qr2[None, :], axis=1)
         m_i, l_i, acc = _softmax_block(tl.where(s_mask, scores, float("-inf")), v, m_i, l_i, acc)
-    out = acc / l_i
-    tl.store(out_ptr + (b * N_HEADS + h) * HEAD_DIM + offs_d, out.to(out_ptr.dtype.element_ty))
+    out_row = out_ptr + (b * N_HEADS + h) * HEAD_DIM + offs_d
+    if SPLITS == 1:
+        tl.store(out_row, (acc / l_i).to(out_ptr.dtype.element_ty))
+    else:
+        _merge_splits(part_ptr, count_ptr + b * N_HEADS + h, (b * N_HEADS + h) * SPLITS, split, m_i, l_i, acc,
+                      out_row, HEAD_DIM, SPLITS)  # fmt: skip
+
+
+@triton.jit
+def _merge_splits(part_ptr, count, first, split, m_i, l_i, acc, out_row, HEAD_DIM: tl.constexpr,
+                  SPLITS: tl.constexpr):  # fmt: skip
+    """Leave this split's softmax state at part row first + split; the split that arrives last combines the
+    SPLITS rows into out_row and resets the arrival count."""
+    width: tl.constexpr = HEAD_DIM + 2
+    offs_d = tl.arange(0, HEAD_DIM)
+    mine = part_ptr + (first + split) * width
+    tl.store(mine + offs_d, acc)
+    tl.store(mine + HEAD_DIM, m_i)
+    tl.store(mine + HEAD_DIM + 1, l_i)
+    tl.debug_barrier()  # every thread's part written before the count says so
+    arrived = tl.atomic_add(count, 1, sem="acq_rel")
+    if arrived == SPLITS - 1:
+        rows = part_ptr + (first + tl.arange(0, SPLITS)) * width
+        m = tl.load(rows + HEAD_DIM, cache_modifier=".cg")
+        w = tl.exp(m - tl.max(m, axis=0))  # the last split holds the new key: the max is finite
+        total = tl.sum(w * tl.load(rows + HEAD_DIM + 1, cache_modifier=".cg"), axis=0)
+        parts = tl.load(rows[:, None] + offs_d[None, :], cache_modifier=".cg")
+        out = tl.sum(w[:, None] * parts, axis=0) / total
+        tl.store(out_row, out.to(out_row.dtype.element_ty))
+        tl.atomic_xchg(count, 0)
