@@ -609,6 +609,39 @@ def attention_split_section() -> dict[str, Any]:
     return {"ms": table, "best": str(best), "greedy_tokens_identical": identical}
 
 
+STAGED_POLICIES: dict[str, frozenset[tuple[int, int, int]] | None] = {
+    "all": None, "qkv": frozenset({(6144, 2048, 0)}), "qkv+gate_up": frozenset({(6144, 2048, 0), (5632, 2048, 1)}),
+}  # fmt: skip
+
+
+def staged_policy_section() -> dict[str, Any]:
+    """Which seed-407m matrices take the staged GEMV (cuda_ops.STAGED_SHAPES), off included, in the chain: 64
+    raw decode steps at 8 loops after a 128-token prompt, each policy twice on one model. The winner applies
+    to later sections (off: through TINYLOOP_DISABLE_STAGED_GEMV, which later models read)."""
+    from tinyloop.kernels.cuda_backend import staged_supported
+
+    wait_for_models(SEED_PATH)
+    m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
+    decode_ms = _recapturing_decode(m)
+    table: dict[str, list[float]] = {}
+    for _ in range(2):
+        cuda_ops.USE_STAGED_GEMV = False
+        table.setdefault("off", []).append(decode_ms())
+        cuda_ops.USE_STAGED_GEMV = staged_supported()
+        for name, shapes in STAGED_POLICIES.items():
+            cuda_ops.STAGED_SHAPES = shapes
+            table.setdefault(name, []).append(decode_ms())
+    m.close()
+    best = min(table, key=lambda c: min(table[c]))
+    if best == "off":
+        os.environ["TINYLOOP_DISABLE_STAGED_GEMV"] = "1"
+    else:
+        cuda_ops.STAGED_SHAPES = STAGED_POLICIES[best]
+    print("staged policy", table, best, flush=True)
+    torch.cuda.empty_cache()
+    return {"ms": table, "best": best}
+
+
 def gluon_section() -> dict[str, Any]:
     """The Gluon decode GEMV (kernels/gluon_gemv.py) against float64 and the Triton GEMV, then alone per
     seed-407m shape (tiles, weights streamed from DRAM) and in the model's chain: seed-407m, 64 raw decode
@@ -1183,6 +1216,7 @@ SECTIONS = {
     "gluon_chain": gluon_chain_section,
     "staged": staged_section,
     "attention_split": attention_split_section,
+    "staged_policy": staged_policy_section,
     "timeline": timeline_section,
     "tiny_gemv": tiny_gemv_section,
 }

@@ -171,6 +171,8 @@ USE_STAGED_GEMV = False
 # it, the next GEMV stages its weights while this one computes, and no further: before it, every kernel up to
 # the next attention launched at once and staged together (session 9, first run: 1,328 µs per step).
 STAGED_EARLY_LAUNCH = False
+# The (N, K, act) shapes that take the staged GEMV where it is on; None: every shape its plan applies to.
+STAGED_SHAPES: frozenset[tuple[int, int, int]] | None = None
 # (rows per thread, warps, register cap or 0) of the staged GEMV: rows per thread x warps = TILE_ROWS. The
 # cap matters where a program's registers would keep the next kernel's program off the SM.
 STAGED_LAYOUT = (2, 8, 0)
@@ -198,6 +200,8 @@ def _gemv_staged(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: 
     )
 
     N, K = out.shape[1], x.shape[1]
+    if STAGED_SHAPES is not None and (N, K, flags["ACT"]) not in STAGED_SHAPES:
+        return False
     words = w.packed.view(torch.int32)
     aligned = all(t.data_ptr() % 16 == 0 for t in (words, w.scale, w.minimum))
     if not (aligned and words.is_contiguous() and w.scale.is_contiguous() and w.minimum.is_contiguous()):
@@ -594,8 +598,10 @@ def cached_attention(
 # One-token attention split along the keys: (splits, a power of two; keys per block; warps), or None: one
 # program per (row, head). Few heads means few programs (16 for seed-407m), each walking its whole cache;
 # splits put more SMs on it and the last split to finish merges the partial softmaxes
-# (kernels/triton_attention.py).
-SPLIT_ATTENTION: tuple[int, int, int] | None = None
+# (kernels/triton_attention.py). Session 9 (H200, seed-407m, 64 raw decode steps at 8 loops after a 128-token
+# prompt, h200_session9_c.json): 75.4 ms at (4, 64, 4) against 77.4 unsplit, 79.3 at (2, 128, 4), 78.3 at
+# (8, 32, 4), 77.7 at (4, 64, 8); greedy tokens identical.
+SPLIT_ATTENTION: tuple[int, int, int] | None = (4, 64, 4)
 _SPLIT_SCRATCH: dict[tuple[torch.device, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
