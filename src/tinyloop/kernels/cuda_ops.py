@@ -172,7 +172,11 @@ USE_STAGED_GEMV = False
 # the next attention launched at once and staged together (session 9, first run: 1,328 µs per step).
 STAGED_EARLY_LAUNCH = False
 # The (N, K, act) shapes that take the staged GEMV where it is on; None: every shape its plan applies to.
-STAGED_SHAPES: frozenset[tuple[int, int, int]] | None = None
+# Session 9 (H200, seed-407m, 64 raw decode steps at 8 loops, split attention on): QKV and gate / up staged
+# 75.0-75.3 ms against 76.3-76.7 with none (fresh models alternated three times, identical tokens); all four
+# 75.2-75.4, QKV alone 79.7-79.9 (h200_session9_final.json staged_policy). Other shapes: not measured, so not
+# staged (the decode chain is where alone-timings mislead).
+STAGED_SHAPES: frozenset[tuple[int, int, int]] | None = frozenset({(6144, 2048, 0), (5632, 2048, 1)})
 # (rows per thread, warps, register cap or 0) of the staged GEMV: rows per thread x warps = TILE_ROWS. The
 # cap matters where a program's registers would keep the next kernel's program off the SM.
 STAGED_LAYOUT = (2, 8, 0)
