@@ -225,9 +225,12 @@ def test_rope_store_and_cached_attention(pairing: str, T: int) -> None:
     assert frob_rel_error(out, ref) <= 1e-6
 
 
-@pytest.mark.parametrize("tile", [(128, 4), (256, 8)])
+@pytest.mark.parametrize(
+    ("tile", "split"),
+    [((128, 4), None), ((256, 8), None), ((128, 4), (4, 64, 4)), ((128, 4), (2, 32, 2))],
+    ids=["whole-128", "whole-256", "4-splits", "2-splits"],
+)  # a split brings its own tile
 @pytest.mark.parametrize("pairing", ["half", "interleaved"])
-@pytest.mark.parametrize("split", [None, (4, 64, 4), (2, 32, 2)], ids=["whole", "4-splits", "2-splits"])
 def test_one_token_rope_attention_equals_two_kernels(
     pairing: str, tile: tuple[int, int], split: tuple[int, int, int] | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
