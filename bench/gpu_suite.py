@@ -366,6 +366,23 @@ def _fresh_seed_decode() -> tuple[float, list[int]]:
     return ms, tokens
 
 
+def _fresh_chain_ab(switch: str, off_name: str, on_name: str) -> dict[str, Any]:
+    """`_fresh_seed_decode` with the environment switch `switch` set ("1": `off_name`) and cleared (`on_name`),
+    alternated twice: ms per setting and whether the greedy tokens agree (else the first difference)."""
+    chain: dict[str, list[float]] = {off_name: [], on_name: []}
+    tokens = {}
+    for _ in range(2):
+        for setting in chain:
+            t, tokens[setting] = with_env({switch: "1" if setting == off_name else "0"}, _fresh_seed_decode)
+            chain[setting].append(t)
+    pairs = zip(tokens[off_name], tokens[on_name], strict=True)
+    return {
+        "chain_ms": chain,
+        "greedy_tokens_identical": tokens[off_name] == tokens[on_name],
+        "greedy_first_difference": next((i for i, (a, b) in enumerate(pairs) if a != b), None),
+    }
+
+
 # The session-6 and session-7 winners and their neighbours (more or fewer rows, blocks, warps).
 CHAIN_CANDIDATES = [(8, 8, 4), (4, 32, 8), (2, 32, 4), (4, 8, 2), (4, 16, 4), (2, 8, 1), (4, 8, 4), (8, 32, 8),
                     (2, 16, 2)]  # fmt: skip
@@ -466,6 +483,12 @@ ONE_ROW_CASES = [  # (N, K, act, norm, residual, bias, dtype)
 ]  # fmt: skip
 
 
+def _apply(switches: dict[str, Any]) -> None:
+    """Set cuda_ops module switches by name."""
+    for attr, value in switches.items():
+        setattr(cuda_ops, attr, value)
+
+
 def _one_row_checks(settings: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
     """One-row fused_linear on ONE_ROW_CASES under each setting of cuda_ops switches: relative error against
     float64 and against the first setting."""
@@ -481,8 +504,7 @@ def _one_row_checks(settings: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
         r = torch.randn(1, n, generator=gen).to(dt) if resid else None
         got = {}
         for name, switches in settings.items():
-            for attr, value in switches.items():
-                setattr(cuda_ops, attr, value)
+            _apply(switches)
             got[name] = cuda_ops.fused_linear(x.cuda(), w, norm_weight=None if nw is None else nw.cuda(), eps=1e-6,
                                               bias=None if b is None else b.cuda(), act=act,
                                               residual=None if r is None else r.cuda()).float().cpu()  # fmt: skip
@@ -541,26 +563,15 @@ def staged_section() -> dict[str, Any]:
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         res["alone"][name] = {}
         for setting, switches in settings.items():
-            for attr, value in switches.items():
-                setattr(cuda_ops, attr, value)
+            _apply(switches)
             res["alone"][name][setting] = time_cycling(x, ws, act)
         print("staged alone", name, {c: round(v["us"], 2) for c, v in res["alone"][name].items()}, flush=True)
         del ws
         torch.cuda.empty_cache()
     cuda_ops.STAGED_LAYOUT = STAGED_LAYOUTS[0]
     wait_for_models(SEED_PATH)
-    chain: dict[str, list[float]] = {"gluon": [], "staged": []}
-    tokens = {}
-    for _ in range(2):
-        for setting in chain:
-            off = {"TINYLOOP_DISABLE_STAGED_GEMV": "1" if setting == "gluon" else "0"}
-            t, tokens[setting] = with_env(off, _fresh_seed_decode)
-            chain[setting].append(t)
-    res["chain_ms"] = chain
-    res["greedy_tokens_identical"] = tokens["gluon"] == tokens["staged"]
-    pairs = zip(tokens["gluon"], tokens["staged"], strict=True)
-    res["greedy_first_difference"] = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
-    print("staged chain", chain, res["greedy_tokens_identical"], flush=True)
+    res.update(_fresh_chain_ab("TINYLOOP_DISABLE_STAGED_GEMV", "gluon", "staged"))
+    print("staged chain", res["chain_ms"], res["greedy_tokens_identical"], flush=True)
     m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
     decode_ms = _recapturing_decode(m)
     variants: dict[str, list[float]] = {}
@@ -679,18 +690,8 @@ def gluon_section() -> dict[str, Any]:
     res["tiles"] = {str(k): v for k, v in cuda_ops.GLUON_TILES.items()}
     wait_for_models(SEED_PATH)
 
-    chain: dict[str, list[float]] = {"triton": [], "gluon": []}
-    tokens = {}
-    for _ in range(2):
-        for setting in chain:
-            off = {"TINYLOOP_DISABLE_GLUON_GEMV": "1" if setting == "triton" else "0"}
-            t, tokens[setting] = with_env(off, _fresh_seed_decode)
-            chain[setting].append(t)
-    res["chain_ms"] = chain
-    res["greedy_tokens_identical"] = tokens["triton"] == tokens["gluon"]
-    pairs = zip(tokens["triton"], tokens["gluon"], strict=True)
-    res["greedy_first_difference"] = next((i for i, (a, b) in enumerate(pairs) if a != b), None)
-    print("gluon chain", chain, res["greedy_tokens_identical"], flush=True)
+    res.update(_fresh_chain_ab("TINYLOOP_DISABLE_GLUON_GEMV", "triton", "gluon"))
+    print("gluon chain", res["chain_ms"], res["greedy_tokens_identical"], flush=True)
     torch.cuda.empty_cache()
     return res
 

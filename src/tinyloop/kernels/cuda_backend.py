@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tinyloop.env import RuntimeEnv
@@ -73,26 +75,26 @@ def pdl_supported() -> bool:
 
 def gluon_supported() -> bool:
     """The Gluon decode GEMV: an Ampere-or-later GPU and a Triton with the Gluon layouts it is written in."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
-        return False
     from tinyloop.kernels import gluon_gemv
 
-    if not gluon_gemv.available():
-        why = gluon_gemv._IMPORT_ERROR or "no Gluon layouts in this Triton"
-        info(f"the Gluon decode GEMV is unavailable ({why}); the Triton one is used")
-        return False
-    return True
+    return _kernel_module_usable(8, gluon_gemv, "the Gluon decode GEMV", "no Gluon layouts in this Triton",
+                                 "; the Triton one is used")  # fmt: skip
 
 
 def staged_supported() -> bool:
     """The staged decode GEMV: TMA (a Hopper-or-later GPU) and a Triton whose Gluon has it."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9:
-        return False
     from tinyloop.kernels import gluon_gemv_staged
 
-    if not gluon_gemv_staged.available():
-        why = gluon_gemv_staged._IMPORT_ERROR or "no TMA copies in this Triton's Gluon"
-        info(f"the staged decode GEMV is unavailable ({why})")
+    return _kernel_module_usable(9, gluon_gemv_staged, "the staged decode GEMV", "no TMA copies in this Triton's Gluon")
+
+
+def _kernel_module_usable(min_major: int, module: Any, what: str, missing: str, fallback: str = "") -> bool:
+    """A CUDA GPU of compute capability `min_major`.x or later and a kernel module whose `available()` holds;
+    says why not (the module's import error, else `missing`) when the GPU qualifies but the module does not."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < min_major:
+        return False
+    if not module.available():
+        info(f"{what} is unavailable ({module._IMPORT_ERROR or missing}){fallback}")
         return False
     return True
 

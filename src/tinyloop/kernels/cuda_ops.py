@@ -219,12 +219,11 @@ def _gemv_staged(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: 
     w_desc = TensorDescriptor(words, [rows, blocks, 8], [blocks * 8, 8, 1], [TILE_ROWS, CHUNK_BLOCKS, 8], word_layout)
     s_desc, m_desc = (TensorDescriptor(t, [rows, blocks], [blocks, 1], [TILE_ROWS, CHUNK_BLOCKS], group_layout)
                       for t in (w.scale, w.minimum))  # fmt: skip
-    pdl = {"PDL": 2 if STAGED_EARLY_LAUNCH else 1, "launch_pdl": True} if USE_PDL else {"PDL": 0}
     try:
         _gemv_int4_staged_kernel[(plan.programs,)](
             x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, PRMT_HIGH_BYTE, NORM=flags["NORM"],
             BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"], TILES=plan.tiles, KCH=plan.chunks,
-            R=STAGED_LAYOUT[0], WR=STAGED_LAYOUT[1], num_warps=STAGED_LAYOUT[1], **pdl,
+            R=STAGED_LAYOUT[0], WR=STAGED_LAYOUT[1], num_warps=STAGED_LAYOUT[1], **_pdl(STAGED_EARLY_LAUNCH),
             **({"maxnreg": STAGED_LAYOUT[2]} if STAGED_LAYOUT[2] else {}),
         )  # fmt: skip
     except CompilationError as exc:
@@ -266,10 +265,12 @@ USE_PDL = False
 PDL_EARLY_LAUNCH = False
 
 
-def _pdl() -> dict[str, int | bool]:
+def _pdl(early: bool | None = None) -> dict[str, int | bool]:
+    """Launch options for the PDL chain; `early` (default PDL_EARLY_LAUNCH): let the next kernel launch
+    before this one's wait."""
     if not USE_PDL:
         return {"PDL": 0}
-    return {"PDL": 2 if PDL_EARLY_LAUNCH else 1, "launch_pdl": True}
+    return {"PDL": 2 if (PDL_EARLY_LAUNCH if early is None else early) else 1, "launch_pdl": True}
 
 
 # TINYLOOP_DISABLE_CUBLAS_FP16=1 clears this (kernels/cuda_backend.py): 16-bit weights then go through

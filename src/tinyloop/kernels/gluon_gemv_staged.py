@@ -14,6 +14,7 @@ it. Arithmetic, weight layout and epilogue as kernels/gluon_gemv.py; CUDA with T
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import triton.language as tl
@@ -63,6 +64,7 @@ class StagedPlan:
     smem_bytes: int
 
 
+@functools.cache  # asked once per launch; a pure function of the shape
 def staged_plan(n: int, k: int, act: int, sms: int, scale_bytes: int = 2) -> StagedPlan | None:
     """The cut for an N x K GEMV (2N rows read for SwiGLU, act 1) on `sms` SMs: the fewest tiles per program
     that still give every SM at most one program. None where the kernel does not apply: K not a whole number
