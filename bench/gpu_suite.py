@@ -620,6 +620,20 @@ def attention_split_section() -> dict[str, Any]:
     return {"ms": table, "best": str(best), "greedy_tokens_identical": identical}
 
 
+def tiny_split_section() -> dict[str, Any]:
+    """Key-split one-token attention on the built-in model (6 heads of 64): decode tokens/s at 8 loops with
+    cuda_ops.SPLIT_ATTENTION as committed and off, fresh models alternated twice."""
+    committed = cuda_ops.SPLIT_ATTENTION
+    rates: dict[str, list[float]] = {}
+    for _ in range(2):
+        for cand in (committed, None):
+            cuda_ops.SPLIT_ATTENTION = cand
+            rates.setdefault(str(cand), []).append(loops_curve("tiny", (8,))["8"])
+    cuda_ops.SPLIT_ATTENTION = committed
+    print("tiny split attention", rates, flush=True)
+    return {"tokens_per_s": rates}
+
+
 STAGED_POLICIES: dict[str, frozenset[tuple[int, int, int]] | None] = {
     "all": None, "qkv": frozenset({(6144, 2048, 0)}), "qkv+gate_up": frozenset({(6144, 2048, 0), (5632, 2048, 1)}),
 }  # fmt: skip
@@ -884,6 +898,137 @@ def gemm_section() -> dict[str, Any]:
         limit = rows
     cuda_ops.BLOCKED_GEMM_MAX_ROWS = res["chosen_max_rows"] = limit
     print("BLOCKED_GEMM_MAX_ROWS", limit, flush=True)
+    return res
+
+
+INT4_GEMM_ROWS = (32, 64, 128, 256)
+INT4_GEMM_SHAPES = ("qkv", "out", "gate_up", "down")
+PREFILL_ROWS = (64, 128, 256)
+
+
+def _int4_gemm_candidates(rows: int) -> list[tuple[int, int, int, int, int, int]]:
+    """(BLOCK_N, BLOCK_M, BLOCK_K, warps, stages, splits) of `_gemm_blocked_int4_kernel` worth timing."""
+    out = []
+    for bm in sorted({min(64, rows), min(128, rows)}):
+        out += [(128, bm, 64, 8, 3, 1), (128, bm, 64, 4, 3, 1), (64, bm, 64, 4, 3, 1), (128, bm, 128, 8, 3, 1),
+                (64, bm, 128, 4, 4, 1), (256, bm, 64, 8, 3, 1), (128, bm, 64, 8, 4, 1), (128, bm, 64, 8, 3, 2),
+                (64, bm, 64, 4, 3, 2), (64, bm, 128, 4, 3, 4), (128, bm, 64, 8, 3, 4),
+                (32, bm, 128, 4, 3, 2)]  # fmt: skip
+    return out
+
+
+def _int4_gemm_checks() -> dict[str, float]:
+    """The pipelined INT4 GEMM against float64 at a prefill's row counts: bf16 and float32, norm + SwiGLU."""
+    gen = torch.Generator().manual_seed(5)
+    res = {}
+    for rows, group in ((128, 64), (100, 32), (256, 128)):
+        q = quantize_int4(torch.randn(2 * 1536, 2048, generator=gen) / 45, group)
+        w = BlockedInt4Weight.from_int4(q).to("cuda")
+        x = torch.randn(rows, 2048, generator=gen)
+        nw = 1 + 0.1 * torch.randn(2048, generator=gen)
+        xn = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
+        g, u = (xn @ q.dequantize().double().T).chunk(2, dim=-1)
+        ref = torch.nn.functional.silu(g) * u
+        for dtype in (torch.float32, torch.bfloat16):
+            got = cuda_ops.fused_linear(x.to("cuda", dtype), w, norm_weight=nw.to("cuda", dtype), eps=1e-6,
+                                        act=cuda_ops.ACT_SWIGLU)  # fmt: skip
+            res[f"rows={rows} g{group} {str(dtype)[6:]} rel_frob"] = rel(got.float().cpu(), ref)
+    return res
+
+
+def int4_gemm_section() -> dict[str, Any]:
+    """`_gemm_blocked_int4_kernel` (INT4 words on tensor cores, 32-256 rows) per seed-407m shape: correctness
+    against float64, tiles alone against cuBLAS on the already-dequantized 16-bit weight (what a prefill
+    runs: the body is dequantized once per step), then seed-407m prefill end to end, fresh models with the
+    kernel off and on alternated. The winning tiles and row limit apply to later sections."""
+    from tinyloop.kernels.cuda_backend import pdl_supported
+
+    cuda_ops.USE_PDL = pdl_supported()
+    res: dict[str, Any] = {}
+    old_limit = cuda_ops.INT4_GEMM_MAX_ROWS
+    cuda_ops.INT4_GEMM_MAX_ROWS = 4096
+    res["checks"] = _int4_gemm_checks()
+    print("int4 gemm checks", {k: f"{v:.2e}" for k, v in res["checks"].items()}, flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name in INT4_GEMM_SHAPES:
+        n, k, act = SEED_SHAPES[name]
+        ws = random_int4_copies(2 * n if act == 1 else n, k, gen)
+        flops_per_row = 2 * k * (2 * n if act == 1 else n)
+        for rows in INT4_GEMM_ROWS:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+            table: dict[str, Any] = {}
+            cuda_ops.INT4_GEMM_MAX_ROWS = 4096
+            for cfg in _int4_gemm_candidates(rows):
+                cuda_ops.INT4_GEMM_CONFIGS[(n, k, rows)] = cfg
+                try:
+                    table[str(cfg)] = time_cycling(x, ws, act)
+                except Exception as exc:
+                    table[str(cfg)] = {"error": str(exc)[:200]}
+            cuda_ops.INT4_GEMM_MAX_ROWS = 0
+            with cuda_ops.dense_weights_reused(ws):
+                for w in ws:  # dequantized before the graph, as a prefill's first loop does
+                    cuda_ops.fused_linear(x, w, act=act)
+                table["cublas_on_dense"] = time_cycling(x, ws, act)
+            for v in table.values():
+                if "us" in v:
+                    v["TFLOPs"] = flops_per_row * rows / v["us"] / 1e6
+            ok = {c: v for c, v in table.items() if "us" in v and c.startswith("(")}
+            win = min(ok, key=lambda c: ok[c]["us"]) if ok else None
+            if win is not None:
+                cuda_ops.INT4_GEMM_CONFIGS[(n, k, rows)] = tuple(int(v) for v in win.strip("()").split(","))  # type: ignore[assignment]
+            res[f"{name} rows={rows}"] = {"best": win, "best_us": ok[win]["us"] if win else None,
+                                          "cublas_us": table["cublas_on_dense"]["us"], "all": table}  # fmt: skip
+            print(name, rows, win, round(ok[win]["us"], 2) if win else None, "cublas",
+                  round(table["cublas_on_dense"]["us"], 2), flush=True)  # fmt: skip
+        del ws
+        torch.cuda.empty_cache()
+    res["chosen"] = {str(k): v for k, v in cuda_ops.INT4_GEMM_CONFIGS.items()}
+    limit = 0
+    for rows in INT4_GEMM_ROWS:
+        mine = sum(res[f"{nm} rows={rows}"]["best_us"] or 1e9 for nm in INT4_GEMM_SHAPES)
+        if mine >= sum(res[f"{nm} rows={rows}"]["cublas_us"] for nm in INT4_GEMM_SHAPES):
+            break
+        limit = rows
+    res["limit_alone"] = limit
+    # End to end: seed-407m score_last at PREFILL_ROWS tokens, loops 8, fresh models alternated.
+    wait_for_models(SEED_PATH)
+    rng = np.random.default_rng(3)
+    prompts = {n: rng.integers(0, 32000, n).astype(np.int32) for n in PREFILL_ROWS}
+    e2e: dict[str, list[float]] = {}
+    logits: dict[str, np.ndarray] = {}
+    for _ in range(2):
+        for setting in (0, 4096):
+            cuda_ops.INT4_GEMM_MAX_ROWS = setting
+            m = tinyloop.Model(SEED_PATH, max_seq_len=1024, device="cuda")
+            for n, ids in prompts.items():
+                for _ in range(2):
+                    out = m.score_last(ids, loops=8)
+                logits[f"{setting} {n}"] = np.asarray(out, dtype=np.float64)
+                ms = 1e3 * statistics.median(timed(lambda ids=ids, m=m: m.score_last(ids, loops=8), 10))
+                e2e.setdefault(f"int4_gemm={'on' if setting else 'off'} {n}", []).append(ms)
+            m.close()
+            torch.cuda.empty_cache()
+    res["prefill_ms"] = e2e
+    res["prefill_logits_rel_on_vs_off"] = {n: rel(logits[f"4096 {n}"], logits[f"0 {n}"]) for n in PREFILL_ROWS}
+    print("prefill", {k: [round(v, 3) for v in vs] for k, vs in e2e.items()}, flush=True)
+    best = 0
+    for n in PREFILL_ROWS:
+        if min(e2e[f"int4_gemm=on {n}"]) < min(e2e[f"int4_gemm=off {n}"]):
+            best = n
+        else:
+            break
+    cuda_ops.INT4_GEMM_MAX_ROWS = res["chosen_max_rows"] = best if best else old_limit
+    print("INT4_GEMM_MAX_ROWS", cuda_ops.INT4_GEMM_MAX_ROWS, flush=True)
+    if cuda_ops.INT4_GEMM_MAX_ROWS:
+        m = tinyloop.Model(SEED_PATH, max_seq_len=1024, device="cuda")
+        ids = prompts[128]
+        for _ in range(2):
+            m.score_last(ids, loops=8)
+        res["profile_128"] = _profile_calls(lambda: m.score_last(ids, loops=8), 5)
+        m.close()
+        torch.cuda.empty_cache()
+        for name, row in list(res["profile_128"]["kernels"].items())[:10]:
+            print("   ", name, {a: round(b, 2) for a, b in row.items()}, flush=True)
     return res
 
 
@@ -1203,6 +1348,8 @@ SECTIONS = {
     "sweep": sweep_section,
     "pdl": pdl_section,
     "gemm": gemm_section,
+    "int4_gemm": int4_gemm_section,
+    "tiny_split": tiny_split_section,
     "prefill_profile": prefill_profile_section,
     "profile": profile_section,
     "seed407m": seed_section,

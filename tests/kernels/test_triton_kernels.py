@@ -142,6 +142,48 @@ def test_blocked_int4_prefill_paths_match_plain(monkeypatch: pytest.MonkeyPatch)
         assert frob_rel_error(ops.fused_linear(x, blocked), ref) <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    ("group", "config"),
+    [
+        (64, (32, 16, 64, 4, 2, 1)),  # three row tiles, the last partial; K = 5 tiles
+        (64, (64, 32, 128, 4, 3, 2)),  # two K splits, the second with a partial tile; N in one partial tile
+        (32, (16, 64, 32, 4, 2, 3)),  # 32-column blocks
+        (128, (32, 16, 64, 4, 2, 1)),  # the tile widened to a whole 128-column group
+    ],
+)
+def test_pipelined_int4_gemm_matches_reference(
+    dtype: torch.dtype, group: int, config: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tens of rows of blocked INT4 through `_gemm_blocked_int4_kernel` (INT4_GEMM_MAX_ROWS raised past
+    them), with the norm, bias, SwiGLU, GELU and residual fused, against float64: partial row, feature and
+    K tiles, K splits, 32- to 128-column groups."""
+    gen = torch.Generator().manual_seed(group + config[0])
+    rows, K, N = 37, 320 if group < 128 else 384, 45
+    plain = quantize_int4(torch.randn(2 * N, K, generator=gen) / K**0.5, group)
+    blocked, dense = BlockedInt4Weight.from_int4(plain), plain.dequantize(torch.float64)
+    x = (2 * torch.randn(rows, K, generator=gen)).to(dtype)
+    norm = 1 + 0.1 * torch.randn(K, generator=gen)
+    bias, residual = torch.randn(N, generator=gen).to(dtype), torch.randn(rows, N, generator=gen).to(dtype)
+    monkeypatch.setattr(ops, "INT4_GEMM_MAX_ROWS", 64)
+    for n in (N, 2 * N):
+        monkeypatch.setitem(ops.INT4_GEMM_CONFIGS, (n, K, 64), config)  # 37 rows: the 64-row bucket
+    assert not ops.int4_rows_on_cublas(rows) and ops.int4_rows_on_cublas(65)
+    assert ops._int4_gemm_config(N, K, rows) == config
+    cases = [
+        ({}, {}),
+        ({"norm_weight": norm.to(dtype), "eps": 1e-6, "act": ops.ACT_SWIGLU}, {"norm": norm.to(dtype), "act": 1}),
+        ({"bias": bias, "residual": residual}, {"bias": bias, "residual": residual}),
+        ({"act": ops.ACT_GELU}, {"act": ops.ACT_GELU}),
+    ]
+    for kwargs, ref_kwargs in cases:
+        swiglu = ref_kwargs.get("act") == ops.ACT_SWIGLU
+        got = ops.fused_linear(x, blocked if swiglu else _rows(blocked, N), **kwargs)  # type: ignore[arg-type]
+        ref = reference(x.double(), dense if swiglu else dense[:N], **ref_kwargs)
+        assert got.shape == (rows, N) and got.dtype == dtype
+        assert frob_rel_error(got, ref) <= TOL[dtype], kwargs
+
+
 @pytest.mark.parametrize("rows", [1, 5, 20])
 def test_fused_linear_into_residual(rows: int) -> None:
     """into_residual writes the same result into the residual's storage on every path (GEMV, split-K,

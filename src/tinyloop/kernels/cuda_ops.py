@@ -21,6 +21,7 @@ from tinyloop.kernels.triton_elementwise import _add_kernel, _swiglu_kernel
 from tinyloop.kernels.triton_embedding import _int4_rows_kernel
 from tinyloop.kernels.triton_matmul import (
     _dequant_kernel,
+    _gemm_blocked_int4_kernel,
     _gemv_blocked_int4_kernel,
     _matmul_kernel,
     _matvec_kernel,
@@ -45,6 +46,9 @@ DOT_MAX_ROWS = 4
 BLOCKED_GEMM_MAX_ROWS = 16
 # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
 SPLITK_PROGRAMS = 264
+# From BLOCKED_GEMM_MAX_ROWS + 1 up to this many rows, blocked INT4 weights take the pipelined tensor-core
+# kernel (`_gemm_blocked_int4_kernel`, reading the 4-bit words) instead of dequantize + cuBLAS; 0: never.
+INT4_GEMM_MAX_ROWS = 0
 
 # RoPE + cache write: rows per program (fewer, bigger programs for long prefills).
 ROPE_BLOCK_ROWS = 16
@@ -249,6 +253,9 @@ def _gluon_applies(x: torch.Tensor, w: BlockedInt4Weight, M: int) -> bool:
 
 # The same for the blocked INT4 split-K kernel: (N, K, rows) -> (BLOCK_N, BLOCK_M, BLOCK_K, num_warps).
 GEMM_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+# The same for `_gemm_blocked_int4_kernel`: (N, K, rows rounded up to a power of two) -> (BLOCK_N, BLOCK_M,
+# BLOCK_K, num_warps, num_stages, splits).
+INT4_GEMM_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int, int]] = {}
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) for every tensor-core launch, or None: heuristic.
 MATMUL_CONFIG: tuple[int, int, int, int, int] | None = None
 
@@ -309,6 +316,19 @@ def _gemm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
     return (32, block_m, 256, 4) if n <= 2048 and k <= 2048 else (64, block_m, 128, 4)
 
 
+def _int4_gemm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int, int, int]:
+    bucket = triton.next_power_of_2(rows)
+    if (n, k, bucket) in INT4_GEMM_CONFIGS:
+        return INT4_GEMM_CONFIGS[(n, k, bucket)]
+    block_m = 64 if rows <= 64 else 128
+    return 128 if n > 2048 else 64, block_m, 64, 4 if block_m == 64 else 8, 3, 1
+
+
+def int4_rows_on_cublas(rows: int) -> bool:
+    """Whether `rows` rows times a blocked INT4 matrix go to dequantize + cuBLAS."""
+    return USE_CUBLAS_16BIT and rows > max(BLOCKED_GEMM_MAX_ROWS, INT4_GEMM_MAX_ROWS)
+
+
 def _matmul_config(m: int, n: int, group: int) -> tuple[int, int, int, int, int]:
     block_m = 16 if m <= 16 else (32 if m <= 64 else 64)
     return block_m, 64 if n >= 4096 else 32, max(group, 64), 4, 3
@@ -358,9 +378,9 @@ def fused_linear(
         out = torch.empty((M, N), dtype=dtype, device=x.device)
     words, scale, minimum, group, is_int4 = _weight_parts(w)
     blocked = isinstance(w, BlockedInt4Weight)
-    int4_rows = BLOCKED_GEMM_MAX_ROWS if blocked else DOT_MAX_ROWS
+    int4_cublas = int4_rows_on_cublas(M) if blocked else USE_CUBLAS_16BIT and M > DOT_MAX_ROWS
     dense_cublas = not is_int4 and USE_CUBLAS_16BIT and M > MATVEC_MAX_ROWS
-    if (is_int4 and M > int4_rows and USE_CUBLAS_16BIT) or dense_cublas:
+    if (is_int4 and int4_cublas) or dense_cublas:
         return _linear_unfused(x, w, norm_weight, eps, bias, act, residual, out)
     res = residual if residual is not None else out
     nw = norm_weight if norm_weight is not None else out
@@ -408,22 +428,32 @@ def _splitk_linear(
     res: torch.Tensor,
     b: torch.Tensor,
 ) -> torch.Tensor:
-    """`_splitk_blocked_int4_kernel` into float32 partial products, `_splitk_epilogue_kernel` to finish."""
+    """Float32 partial products over K splits (`_splitk_blocked_int4_kernel` for a few rows,
+    `_gemm_blocked_int4_kernel` from BLOCKED_GEMM_MAX_ROWS + 1 on), `_splitk_epilogue_kernel` to finish."""
     M, K = x.shape
     n_total, N = w.shape[0], out.shape[1]
-    block_n, block_m, block_k, warps = _gemm_config(N, K, M)
+    pipelined = M > BLOCKED_GEMM_MAX_ROWS
+    if pipelined:
+        block_n, block_m, block_k, warps, stages, splits = _int4_gemm_config(N, K, M)
+    else:
+        (block_n, block_m, block_k, warps), stages, splits = _gemm_config(N, K, M), 0, 0
     block_k = max(block_k, w.group_size)
     n_tiles, m_tiles, k_tiles = triton.cdiv(n_total, block_n), triton.cdiv(M, block_m), triton.cdiv(K, block_k)
-    splits = min(k_tiles, max(1, SPLITK_PROGRAMS // (n_tiles * m_tiles)))
-    k_per_split = triton.cdiv(k_tiles, splits) * block_k
+    if not pipelined:
+        splits = max(1, SPLITK_PROGRAMS // (n_tiles * m_tiles))
+    k_per_split = triton.cdiv(k_tiles, min(k_tiles, splits)) * block_k
     splits = triton.cdiv(K, k_per_split)
     part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
     words = w.packed.view(torch.int32)
-    _splitk_blocked_int4_kernel[(n_tiles, splits, m_tiles)](
-        x, words, w.scale, w.minimum, nw, part, M, n_total, K, k_per_split, x.stride(0), K // 8, K // w.group_size,
+    args = (x, words, w.scale, w.minimum, nw, part, M, n_total, K, k_per_split, x.stride(0), K // 8, K // w.group_size)
+    tile = dict(
         GROUP=w.group_size, BLOCK=w.block, NORM=flags["NORM"], IEEE=x.dtype == torch.float32, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **_pdl(),
     )  # fmt: skip
+    if pipelined:
+        _gemm_blocked_int4_kernel[(n_tiles, splits, m_tiles)](*args, **tile, num_stages=stages)
+    else:
+        _splitk_blocked_int4_kernel[(n_tiles, splits, m_tiles)](*args, **tile)
     block = min(1024, triton.next_power_of_2(N))
     _splitk_epilogue_kernel[(M, triton.cdiv(N, block))](
         x, part, out, res, b, M, N, K, splits, eps, x.stride(0), out.stride(0), res.stride(0), NORM=flags["NORM"],

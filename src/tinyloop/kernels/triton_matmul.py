@@ -3,7 +3,8 @@
 - `_gemv_blocked_int4_kernel` for 1-4 rows (decode) of INT4 weights in the blocked layout, the layout
   CUDA engines repack their INT4 matrices into (quant.BlockedInt4Weight).
 - `_splitk_blocked_int4_kernel` + `_splitk_epilogue_kernel` for a few more rows of blocked INT4 weights
-  (speculative verification, batched decode): tensor-core products split over K, then summed.
+  (speculative verification, batched decode): tensor-core products split over K, then summed;
+  `_gemm_blocked_int4_kernel` takes the split-K kernel's place for tens to hundreds of rows (a short prefill).
 - `_matvec_kernel` for 1-4 rows of any other weight (16-bit, or INT4 in the file's plain layout): a weight
   tile is dequantized once and multiplied with every row on CUDA cores.
 - `_matmul_kernel` for more rows (prefill, batched decode): tensor-core `tl.dot` on dequantized tiles.
@@ -484,6 +485,81 @@ def _splitk_blocked_int4_kernel(
             acc = tl.dot(w, xt, acc)
     part = part_ptr + pid_s * M * N + offs_m[None, :] * N + rows[:, None]
     tl.store(part, acc, mask=row_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit
+def _gemm_blocked_int4_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    m_ptr,
+    nw_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_w,
+    stride_g,
+    GROUP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NORM: tl.constexpr,
+    IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Tens to hundreds of rows of x (a short prefill, a verification pass) times an INT4 matrix in the
+    blocked layout on tensor cores, for `_splitk_epilogue_kernel` to finish like the split-K kernel's
+    partials: program (n, s, m) stores x[m rows, split s columns] @ w[n rows, same columns].T in
+    part[s, m rows, n rows]. Unlike `_splitk_blocked_int4_kernel` (a few rows, weight-bound) the loop is in
+    the shape Triton's pipeliner overlaps: x tiles are plain row-major loads, and the weight tile is
+    dequantized in the words' nibble order and then put back in column order in registers (nibble j of
+    word i of a block is its column (BLOCK / 8) j + i). With NORM the gain multiplies the weight's columns;
+    1 / rms is applied in the epilogue."""
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    k_begin = pid_s * k_per_split
+    k_end = tl.minimum(K, k_begin + k_per_split)
+    WORDS: tl.constexpr = BLOCK // 8
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    offs_g = tl.arange(0, BLOCK_K // GROUP)
+    shifts = tl.arange(0, 8) * 4
+    dt = x_ptr.dtype.element_ty
+    _wait_for_previous_kernel(PDL)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        cols = k0 + offs_k
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_mask[:, None] & (cols < k_end)[None, :],
+                    other=0.0)  # fmt: skip
+        w_cols = k0 // 8 + offs_w
+        words = tl.load(w_ptr + rows[:, None] * stride_w + w_cols[None, :],
+                        mask=row_mask[:, None] & (w_cols < k_end // 8)[None, :], other=0)  # fmt: skip
+        groups = k0 // GROUP + offs_g
+        g_mask = row_mask[:, None] & (groups < k_end // GROUP)[None, :]
+        s = tl.load(s_ptr + rows[:, None] * stride_g + groups[None, :], mask=g_mask, other=0.0).to(tl.float32)
+        mn = tl.load(m_ptr + rows[:, None] * stride_g + groups[None, :], mask=g_mask, other=0.0).to(tl.float32)
+        q = (words[:, :, None] >> shifts[None, None, :]) & 0xF
+        codes = tl.reshape((q | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC, (BLOCK_N, BLOCK_K // GROUP, GROUP))
+        w = tl.reshape(codes * s[:, :, None] + mn[:, :, None], (BLOCK_N, BLOCK_K // BLOCK, WORDS, 8))
+        w = tl.reshape(tl.permute(w, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
+        if NORM:
+            gain = tl.load(nw_ptr + cols, mask=cols < k_end, other=0.0).to(dt).to(tl.float32)
+            w = w * gain[None, :]
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w.to(dt)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w.to(dt)), acc)
+    part = part_ptr + pid_s * M * N + offs_m[:, None] * N + rows[None, :]
+    tl.store(part, acc, mask=m_mask[:, None] & row_mask[None, :])
 
 
 @triton.jit

@@ -220,7 +220,7 @@ class FusedDecoder:
     def _dense_body_scope(self, rows: int, loops_run: int) -> Iterator[None]:
         """Around a step whose matmuls go to cuBLAS (a prefill) and that runs the body more than once: the
         body's INT4 matrices dequantized once for all loops, where their 16-bit copies fit the budget."""
-        cublas_step = ops.USE_CUBLAS_16BIT and rows > ops.BLOCKED_GEMM_MAX_ROWS
+        cublas_step = ops.int4_rows_on_cublas(rows)
         if not (self._reuse_dense_body and cublas_step and loops_run > 1):
             yield
             return
