@@ -901,19 +901,18 @@ def gemm_section() -> dict[str, Any]:
     return res
 
 
-INT4_GEMM_ROWS = (32, 64, 128, 256)
+INT4_GEMM_ROWS = (32, 64, 128)
 INT4_GEMM_SHAPES = ("qkv", "out", "gate_up", "down")
-PREFILL_ROWS = (64, 128, 256)
+PREFILL_ROWS = (64, 128)
 
 
 def _int4_gemm_candidates(rows: int) -> list[tuple[int, int, int, int, int, int]]:
     """(BLOCK_N, BLOCK_M, BLOCK_K, warps, stages, splits) of `_gemm_blocked_int4_kernel` worth timing."""
     out = []
     for bm in sorted({min(64, rows), min(128, rows)}):
-        out += [(128, bm, 64, 8, 3, 1), (128, bm, 64, 4, 3, 1), (64, bm, 64, 4, 3, 1), (128, bm, 128, 8, 3, 1),
-                (64, bm, 128, 4, 4, 1), (256, bm, 64, 8, 3, 1), (128, bm, 64, 8, 4, 1), (128, bm, 64, 8, 3, 2),
-                (64, bm, 64, 4, 3, 2), (64, bm, 128, 4, 3, 4), (128, bm, 64, 8, 3, 4),
-                (32, bm, 128, 4, 3, 2)]  # fmt: skip
+        out += [(64, bm, 128, 4, 3, 1), (64, bm, 128, 4, 3, 2), (64, bm, 128, 4, 3, 4), (64, bm, 64, 4, 4, 2),
+                (128, bm, 128, 8, 3, 1), (128, bm, 128, 8, 3, 2), (128, bm, 64, 8, 3, 2), (64, bm, 256, 4, 2, 2),
+                (128, bm, 64, 4, 3, 1), (64, bm, 128, 4, 4, 4)]  # fmt: skip
     return out
 
 
@@ -921,7 +920,7 @@ def _int4_gemm_checks() -> dict[str, float]:
     """The pipelined INT4 GEMM against float64 at a prefill's row counts: bf16 and float32, norm + SwiGLU."""
     gen = torch.Generator().manual_seed(5)
     res = {}
-    for rows, group in ((128, 64), (100, 32), (256, 128)):
+    for rows, group in ((128, 64), (100, 32), (64, 128)):
         q = quantize_int4(torch.randn(2 * 1536, 2048, generator=gen) / 45, group)
         w = BlockedInt4Weight.from_int4(q).to("cuda")
         x = torch.randn(rows, 2048, generator=gen)
@@ -933,6 +932,11 @@ def _int4_gemm_checks() -> dict[str, float]:
             got = cuda_ops.fused_linear(x.to("cuda", dtype), w, norm_weight=nw.to("cuda", dtype), eps=1e-6,
                                         act=cuda_ops.ACT_SWIGLU)  # fmt: skip
             res[f"rows={rows} g{group} {str(dtype)[6:]} rel_frob"] = rel(got.float().cpu(), ref)
+        limit, cuda_ops.INT4_GEMM_MAX_ROWS = cuda_ops.INT4_GEMM_MAX_ROWS, 0
+        got = cuda_ops.fused_linear(x.to("cuda", torch.bfloat16), w, norm_weight=nw.to("cuda", torch.bfloat16),
+                                    eps=1e-6, act=cuda_ops.ACT_SWIGLU)  # fmt: skip
+        cuda_ops.INT4_GEMM_MAX_ROWS = limit
+        res[f"rows={rows} g{group} bfloat16 dequantize+cuBLAS rel_frob"] = rel(got.float().cpu(), ref)
     return res
 
 

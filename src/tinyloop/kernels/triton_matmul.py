@@ -515,10 +515,11 @@ def _gemm_blocked_int4_kernel(
     blocked layout on tensor cores, for `_splitk_epilogue_kernel` to finish like the split-K kernel's
     partials: program (n, s, m) stores x[m rows, split s columns] @ w[n rows, same columns].T in
     part[s, m rows, n rows]. Unlike `_splitk_blocked_int4_kernel` (a few rows, weight-bound) the loop is in
-    the shape Triton's pipeliner overlaps: x tiles are plain row-major loads, and the weight tile is
-    dequantized in the words' nibble order and then put back in column order in registers (nibble j of
-    word i of a block is its column (BLOCK / 8) j + i). With NORM the gain multiplies the weight's columns;
-    1 / rms is applied in the epilogue."""
+    the shape Triton's pipeliner overlaps: x^T tiles are plain loads (copied asynchronously into shared
+    memory, the MMA's B operand), and the weight tile is dequantized in the words' nibble order and put
+    back in column order in registers (nibble j of word i of a block is its column (BLOCK / 8) j + i), where
+    it stays as the MMA's A operand. With NORM the gain multiplies the weight's columns; 1 / rms is
+    applied in the epilogue."""
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -535,11 +536,11 @@ def _gemm_blocked_int4_kernel(
     shifts = tl.arange(0, 8) * 4
     dt = x_ptr.dtype.element_ty
     _wait_for_previous_kernel(PDL)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         cols = k0 + offs_k
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_mask[:, None] & (cols < k_end)[None, :],
-                    other=0.0)  # fmt: skip
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + cols[:, None],
+                     mask=m_mask[None, :] & (cols < k_end)[:, None], other=0.0)  # fmt: skip
         w_cols = k0 // 8 + offs_w
         words = tl.load(w_ptr + rows[:, None] * stride_w + w_cols[None, :],
                         mask=row_mask[:, None] & (w_cols < k_end // 8)[None, :], other=0)  # fmt: skip
@@ -555,11 +556,11 @@ def _gemm_blocked_int4_kernel(
             gain = tl.load(nw_ptr + cols, mask=cols < k_end, other=0.0).to(dt).to(tl.float32)
             w = w * gain[None, :]
         if IEEE:
-            acc = tl.dot(x, tl.trans(w.to(dt)), acc, input_precision="ieee")
+            acc = tl.dot(w.to(dt), xt, acc, input_precision="ieee")
         else:
-            acc = tl.dot(x, tl.trans(w.to(dt)), acc)
-    part = part_ptr + pid_s * M * N + offs_m[:, None] * N + rows[None, :]
-    tl.store(part, acc, mask=m_mask[:, None] & row_mask[None, :])
+            acc = tl.dot(w.to(dt), xt, acc)
+    part = part_ptr + pid_s * M * N + offs_m[None, :] * N + rows[:, None]
+    tl.store(part, acc, mask=row_mask[:, None] & m_mask[None, :])
 
 
 @triton.jit
