@@ -621,17 +621,18 @@ def attention_split_section() -> dict[str, Any]:
 
 
 def tiny_split_section() -> dict[str, Any]:
-    """Key-split one-token attention on the built-in model (6 heads of 64): decode tokens/s at 8 loops with
-    cuda_ops.SPLIT_ATTENTION as committed and off, fresh models alternated twice."""
-    committed = cuda_ops.SPLIT_ATTENTION
+    """Key-split one-token attention on the built-in model (6 heads of 64, below
+    cuda_ops.SPLIT_ATTENTION_MIN_HEAD_DIM): decode tokens/s at 8 loops split as cuda_ops.SPLIT_ATTENTION and
+    whole (as committed), fresh models alternated twice."""
+    committed = cuda_ops.SPLIT_ATTENTION_MIN_HEAD_DIM
     rates: dict[str, list[float]] = {}
     for _ in range(2):
-        for cand in (committed, None):
-            cuda_ops.SPLIT_ATTENTION = cand
-            rates.setdefault(str(cand), []).append(loops_curve("tiny", (8,))["8"])
-    cuda_ops.SPLIT_ATTENTION = committed
+        for name, min_dim in (("split", 0), ("whole", 10**9)):
+            cuda_ops.SPLIT_ATTENTION_MIN_HEAD_DIM = min_dim
+            rates.setdefault(name, []).append(loops_curve("tiny", (8,))["8"])
+    cuda_ops.SPLIT_ATTENTION_MIN_HEAD_DIM = committed
     print("tiny split attention", rates, flush=True)
-    return {"tokens_per_s": rates}
+    return {"split": str(cuda_ops.SPLIT_ATTENTION), "tokens_per_s": rates}
 
 
 STAGED_POLICIES: dict[str, frozenset[tuple[int, int, int]] | None] = {

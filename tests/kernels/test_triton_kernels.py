@@ -280,6 +280,7 @@ def test_one_token_rope_attention_equals_two_kernels(
     keys (positions 0 and 7 leave splits empty), twice, so the arrival counts must have been reset."""
     monkeypatch.setattr(ops, "NARROW_HEAD_ATTENTION", tile)
     monkeypatch.setattr(ops, "SPLIT_ATTENTION", split)
+    monkeypatch.setattr(ops, "SPLIT_ATTENTION_MIN_HEAD_DIM", 16)
     B, H, KVH, hd, S = 3, 4, 2, 16, 300
     gen = torch.Generator().manual_seed(4)
     cfg = ArchConfig(
@@ -336,3 +337,25 @@ def test_int4_embedding_rows_match_a_float64_dequantization(group: int, blocked:
     assert frob_rel_error(got, ref) <= (1e-7 if dtype == torch.float32 else 1e-3)
     assert torch.equal(got, table.rows(ids, dtype))  # the same rounding as the torch path
     assert ops.int4_rows(torch.zeros(0, dtype=torch.long), table, dtype).shape == (0, D)
+
+
+def test_narrow_heads_are_not_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Heads narrower than SPLIT_ATTENTION_MIN_HEAD_DIM run whole (no split scratch), with the same result."""
+    B, H, hd, S = 2, 2, 16, 40
+    gen = torch.Generator().manual_seed(6)
+    cfg = ArchConfig(vocab_size=64, d_model=32, n_heads=H, n_kv_heads=H, head_dim=hd, ffn_dim=64, n_prelude=0, n_body=1,
+                     n_coda=0)  # fmt: skip
+    cos, sin = rope_tables(cfg, S, "cpu")
+    qkv = torch.randn(B, 3 * H * hd, generator=gen)
+    caches = torch.randn(B, H, S, hd, generator=gen), torch.randn(B, H, S, hd, generator=gen)
+    pos = torch.tensor([5, 33])
+    monkeypatch.setattr(ops, "SPLIT_ATTENTION", None)
+    whole = ops.rope_attention(qkv, *(c.clone() for c in caches), pos, cos, sin, H, H, hd, False)
+
+    def no_scratch(*args: object) -> None:
+        raise AssertionError("a narrow head was split")
+
+    monkeypatch.setattr(ops, "SPLIT_ATTENTION", (4, 64, 4))
+    monkeypatch.setattr(ops, "_split_scratch", no_scratch)
+    assert hd < ops.SPLIT_ATTENTION_MIN_HEAD_DIM
+    assert torch.equal(ops.rope_attention(qkv, *(c.clone() for c in caches), pos, cos, sin, H, H, hd, False), whole)

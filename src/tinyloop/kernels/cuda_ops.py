@@ -637,6 +637,9 @@ def cached_attention(
 # prompt, h200_session9_c.json): 75.4 ms at (4, 64, 4) against 77.4 unsplit, 79.3 at (2, 128, 4), 78.3 at
 # (8, 32, 4), 77.7 at (4, 64, 8); greedy tokens identical.
 SPLIT_ATTENTION: tuple[int, int, int] | None = (4, 64, 4)
+# Heads narrower than this stay whole: the built-in tiny model (6 heads of 64) decoded 2,304 tokens/s at 8
+# loops with (4, 64, 4) against 2,551-2,601 unsplit (session 10, h200_session10_a.json, fresh models alternated).
+SPLIT_ATTENTION_MIN_HEAD_DIM = 128
 _SPLIT_SCRATCH: dict[tuple[torch.device, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -669,7 +672,7 @@ def rope_attention(
     block, warps = _attention_tile(head_dim)
     splits = 1
     part = count = out
-    if SPLIT_ATTENTION is not None:
+    if SPLIT_ATTENTION is not None and head_dim >= SPLIT_ATTENTION_MIN_HEAD_DIM:
         splits, block, warps = SPLIT_ATTENTION
         part, count = _split_scratch(qkv.device, rows * n_heads, splits, head_dim)
     _rope_attention_kernel[(rows, n_heads, splits)](
