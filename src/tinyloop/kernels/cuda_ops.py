@@ -184,6 +184,8 @@ STAGED_SHAPES: frozenset[tuple[int, int, int]] | None = frozenset({(6144, 2048, 
 # (rows per thread, warps, register cap or 0) of the staged GEMV: rows per thread x warps = TILE_ROWS. The
 # cap matters where a program's registers would keep the next kernel's program off the SM.
 STAGED_LAYOUT = (2, 8, 0)
+# 16-bit x takes the staged GEMV's tensor-core variant (kernels/gluon_gemv_staged_mma.py) where its shape applies.
+STAGED_MMA = False
 
 
 @functools.cache
@@ -199,6 +201,7 @@ def _gemv_staged(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: 
     from triton.experimental.gluon.language import NVMMASharedLayout
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from tinyloop.kernels import gluon_gemv_staged_mma as staged_mma
     from tinyloop.kernels.gluon_gemv import PRMT_HIGH_BYTE
     from tinyloop.kernels.gluon_gemv_staged import (
         CHUNK_BLOCKS,
@@ -218,18 +221,27 @@ def _gemv_staged(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: 
     if plan is None:
         return False
     rows, blocks = words.shape[0], K // 64
+    mma = STAGED_MMA and staged_mma.applies(N, K, x.element_size())
+    box = staged_mma.BOX_BLOCKS if mma else CHUNK_BLOCKS
     word_layout = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
     group_layout = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * w.scale.element_size(), rank=2)
-    w_desc = TensorDescriptor(words, [rows, blocks, 8], [blocks * 8, 8, 1], [TILE_ROWS, CHUNK_BLOCKS, 8], word_layout)
-    s_desc, m_desc = (TensorDescriptor(t, [rows, blocks], [blocks, 1], [TILE_ROWS, CHUNK_BLOCKS], group_layout)
+    w_desc = TensorDescriptor(words, [rows, blocks, 8], [blocks * 8, 8, 1], [TILE_ROWS, box, 8], word_layout)
+    s_desc, m_desc = (TensorDescriptor(t, [rows, blocks], [blocks, 1], [TILE_ROWS, box], group_layout)
                       for t in (w.scale, w.minimum))  # fmt: skip
+    common = dict(NORM=flags["NORM"], BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"],
+                  TILES=plan.tiles, **_pdl(STAGED_EARLY_LAUNCH))  # fmt: skip
     try:
-        _gemv_int4_staged_kernel[(plan.programs,)](
-            x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, PRMT_HIGH_BYTE, NORM=flags["NORM"],
-            BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"], TILES=plan.tiles, KCH=plan.chunks,
-            R=STAGED_LAYOUT[0], WR=STAGED_LAYOUT[1], num_warps=STAGED_LAYOUT[1], **_pdl(STAGED_EARLY_LAUNCH),
-            **({"maxnreg": STAGED_LAYOUT[2]} if STAGED_LAYOUT[2] else {}),
-        )  # fmt: skip
+        if mma:
+            staged_mma._gemv_int4_staged_mma_kernel[(plan.programs,)](
+                x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, GROUPS=blocks // box,
+                FP16=x.dtype == torch.float16, num_warps=staged_mma.WARPS, **common,
+            )  # fmt: skip
+        else:
+            _gemv_int4_staged_kernel[(plan.programs,)](
+                x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, PRMT_HIGH_BYTE, KCH=plan.chunks,
+                R=STAGED_LAYOUT[0], WR=STAGED_LAYOUT[1], num_warps=STAGED_LAYOUT[1], **common,
+                **({"maxnreg": STAGED_LAYOUT[2]} if STAGED_LAYOUT[2] else {}),
+            )  # fmt: skip
     except CompilationError as exc:
         USE_STAGED_GEMV = False
         info(f"the staged decode GEMV does not build with Triton {triton.__version__} ({exc}); not using it")

@@ -1,0 +1,219 @@
+"""The staged decode GEMV (kernels/gluon_gemv_staged.py) with its arithmetic on tensor cores, for 16-bit x.
+
+Why: the staged GEMV fetches its weights before the PDL wait, so what is left after the wait is arithmetic,
+and on CUDA cores that is ~4.5 instructions per weight (ncu, session 9). Here one `lop3` turns two nibbles
+into two 16-bit floats (magic + q, exact) that are already a register of an `mma.sync` A operand, and the
+products run on tensor cores: about one instruction per weight.
+
+A vector times a matrix uses one of the mma's 8 columns; the other 7 carry other K blocks instead. Warp w
+owns weight rows 2w and 2w + 1 of a 16-row tile; its mma rows are (row 2w + h, block 8g + r) for h < 2,
+r < 8, and column c of the B operand is x over block 8g + c, so the products that mean something are
+those of mma row (h, r) with column r. Per block, sum_k x_k w_k = s (sum_k x_k (magic + q_k) - magic X) +
+m X with X = sum_k x_k (x rounded to 16 bits, as the products see it). Weights arrive as TMA boxes of 16
+rows x 8 blocks, one mbarrier per tile, as in the staged kernel; CUDA with TMA (Hopper and later) only.
+"""
+
+from __future__ import annotations
+
+import triton.language as tl
+
+from tinyloop.kernels.gluon_gemv import _jit, _launch_dependents, _load_bias_residual, _store_rows, gl
+from tinyloop.kernels.gluon_gemv import _wait_for_previous_kernel as _wait
+
+try:  # Gluon is experimental: these modules move between Triton releases
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+    _IMPORT_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - depends on the installed Triton
+    mma_v2 = fence_async_shared = mbarrier = tma = None
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+
+# 64-column blocks per TMA box and per mma step (the mma's 8 columns).
+BOX_BLOCKS = 8
+WARPS = 8  # two weight rows each: a 16-row tile per program step
+_WARPS = tl.constexpr(WARPS)
+
+# One instruction per nibble pair: (word >> 4s) & 0x000F000F | magic gives nibbles s and s + 4 as the 16-bit
+# floats magic + q (bf16 0x4300: 128 + q; fp16 0x6400: 1024 + q), exact, one A-operand register.
+_PAIR_BF16 = tl.constexpr(
+    tuple(
+        f"{{ .reg .b32 t; shr.u32 t, $1, {4 * s}; lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xea; }}"
+        if s
+        else "lop3.b32 $0, $1, 0x000F000F, 0x43004300, 0xea;"
+        for s in range(4)
+    )
+)
+_PAIR_FP16 = tl.constexpr(
+    tuple(
+        f"{{ .reg .b32 t; shr.u32 t, $1, {4 * s}; lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xea; }}"
+        if s
+        else "lop3.b32 $0, $1, 0x000F000F, 0x64006400, 0xea;"
+        for s in range(4)
+    )
+)
+
+
+def available() -> bool:
+    return gl is not None and mma_v2 is not None and tma is not None and hasattr(tma, "async_copy_global_to_shared")
+
+
+def applies(n: int, k: int, x_dtype_bytes: int) -> bool:
+    """16-bit x, and K a whole number of TMA boxes (8 blocks of 64 columns, whose 16-bit scale rows are
+    then 16-byte multiples as TMA's strides require)."""
+    return x_dtype_bytes == 2 and n > 0 and k > 0 and k % (64 * BOX_BLOCKS) == 0
+
+
+@_jit
+def _pairs(words, S: gl.constexpr, FP16: gl.constexpr):
+    """[..., 2] 16-bit floats magic + nibble S, magic + nibble S + 4 of each word (two copies joined)."""
+    both = gl.join(words, words)
+    if FP16:
+        pairs = gl.inline_asm_elementwise(_PAIR_FP16[S], "=r,r,r", [both], dtype=gl.float16, is_pure=True, pack=2)
+    else:
+        pairs = gl.inline_asm_elementwise(_PAIR_BF16[S], "=r,r,r", [both], dtype=gl.bfloat16, is_pure=True, pack=2)
+    return pairs
+
+
+@_jit
+def _a_operand(words, A_L: gl.constexpr, FP16: gl.constexpr):
+    """Words [1, warps, 2 (h), 8 (r), 4 (a), 2 (w)] as the mma A operand [16 warps, 64]: row 16 warp + 8 h + r,
+    k = 16 s + 8 w + 2 a + e holds nibble s + 4 e of word 2 a + w, i.e. column 8 (s + 4 e) + 2 a + w of the
+    block. Every step is register renaming (the layout conversion is asserted trivial)."""
+    d = gl.join(gl.join(_pairs(words, 0, FP16), _pairs(words, 1, FP16)),
+                gl.join(_pairs(words, 2, FP16), _pairs(words, 3, FP16)))  # fmt: skip
+    # [1, warps, h, r, a, w, e, s_lo, s_hi] -> [1, warps, h, r, s_hi, s_lo, w, a, e]
+    d = gl.permute(d, [0, 1, 2, 3, 8, 7, 5, 4, 6])
+    return gl.convert_layout(gl.reshape(d, [16 * _WARPS, 64]), A_L, assert_trivial=True)
+
+
+@_jit
+def _gemv_int4_staged_mma_kernel(
+    x_ptr,
+    w_desc,
+    s_desc,
+    m_desc,
+    out_ptr,
+    res_ptr,
+    nw_ptr,
+    b_ptr,
+    N,
+    K,
+    eps,
+    NORM: gl.constexpr,
+    BIAS: gl.constexpr,
+    ACT: gl.constexpr,
+    RESIDUAL: gl.constexpr,
+    TILES: gl.constexpr,
+    GROUPS: gl.constexpr,
+    FP16: gl.constexpr,
+    PDL: gl.constexpr,
+):
+    """out[n] = act(sum_k norm(x)_k w[n, k]) (+ residual) for one 16-bit row x; rows pid * TILES * 16.. of w.
+    w_desc: the words as [rows, blocks, 8] with [16, 8, 8] boxes; s_desc / m_desc: scales and minimums as
+    [rows, blocks] with [16, 8] boxes; GROUPS = K / 512 boxes per tile row. SwiGLU (ACT 1) reads the up half
+    N rows further down."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[_WARPS, 1], instr_shape=[16, 8])
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # [1, warp, h, r, a, w]: lane (r, a) of warp `warp` holds words 2a, 2a + 1 of block r for rows 2 warp + h.
+    WL: gl.constexpr = gl.BlockedLayout([1, 1, 2, 1, 1, 2], [1, 1, 1, 8, 4, 1], [1, _WARPS, 1, 1, 1, 1],
+                                        [5, 4, 3, 2, 1, 0])  # fmt: skip
+    ROWS: gl.constexpr = gl.SliceLayout(1, mma)
+    COLS: gl.constexpr = gl.SliceLayout(0, mma)
+    HALVES: gl.constexpr = 2 if ACT == 1 else 1
+    BOXES: gl.constexpr = HALVES * TILES * GROUPS
+    MAGIC: gl.constexpr = 1024.0 if FP16 else 128.0
+    dt = x_ptr.dtype.element_ty
+    row0 = gl.program_id(0) * (TILES * 16)
+
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [BOXES, 16, 8, 8], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(s_desc.dtype, [BOXES, 16, 8], s_desc.layout)
+    m_smem = gl.allocate_shared_memory(m_desc.dtype, [BOXES, 16, 8], m_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [TILES, 1], mbarrier.MBarrierLayout())
+    for t in gl.static_range(TILES):
+        mbarrier.init(bars.index(t), count=1)
+    fence_async_shared()
+    box_bytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + m_desc.block_type.nbytes
+    for t in gl.static_range(TILES):
+        mbarrier.expect(bars.index(t), HALVES * GROUPS * box_bytes)
+        for h in gl.static_range(HALVES):
+            for g in gl.static_range(GROUPS):
+                i = (h * TILES + t) * GROUPS + g
+                r = row0 + t * 16 + h * N
+                tma.async_copy_global_to_shared(w_desc, [r, g * 8, 0], bars.index(t), w_smem.index(i))
+                tma.async_copy_global_to_shared(s_desc, [r, g * 8], bars.index(t), s_smem.index(i))
+                tma.async_copy_global_to_shared(m_desc, [r, g * 8], bars.index(t), m_smem.index(i))
+    if PDL == 2:
+        _launch_dependents()
+        _wait()
+    elif PDL:
+        _wait()
+        _launch_dependents()
+
+    # x (times the norm's gain), rounded to 16 bits, in the B operand's order, and its per-block sums, once
+    # per program: x_smem[g, c, k] = x[(8 g + c) 64 + column(k)], column(k) the A operand's (see _a_operand).
+    XL: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [_WARPS, 1], [1, 0])  # [c, k]
+    # (Shared layouts have the rank of one element of the buffers, which are indexed along their first dim.)
+    plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    x_smem = gl.allocate_shared_memory(dt, [GROUPS, 8, 64], plain2)
+    xsum_smem = gl.allocate_shared_memory(gl.float32, [GROUPS, 8], plain1)
+    i_c = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, XL)), 1)
+    i_k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, XL)), 0)
+    x_cols = i_c * 64 + 8 * (i_k // 16 + 4 * (i_k % 2)) + 2 * ((i_k // 2) % 4) + (i_k // 8) % 2
+    sumsq = gl.zeros([8, 64], gl.float32, layout=XL)
+    for g in range(GROUPS):
+        xv = gl.load(x_ptr + g * 512 + x_cols).to(gl.float32)
+        if NORM:
+            sumsq += xv * xv
+            xv = xv * gl.load(nw_ptr + g * 512 + x_cols).to(gl.float32)
+        xr = xv.to(dt)
+        x_smem.index(g).store(xr)
+        xsum_smem.index(g).store(gl.sum(xr.to(gl.float32), axis=1))
+    rstd = 1.0
+    if NORM:
+        rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(sumsq, axis=1), axis=0) / K + eps)
+    gl.thread_barrier()
+
+    plain6: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[5, 4, 3, 2, 1, 0])
+    words_view = w_smem._reinterpret(gl.int32, [BOXES, 1, _WARPS, 2, 8, 4, 2], plain6)
+    s_view = s_smem._reinterpret(s_desc.dtype, [BOXES, 128], plain1)
+    m_view = m_smem._reinterpret(m_desc.dtype, [BOXES, 128], plain1)
+    rho = gl.arange(0, 16 * _WARPS, layout=ROWS)
+    keep = gl.expand_dims(rho % 8, 1) == gl.expand_dims(gl.arange(0, 8, layout=COLS), 0)
+    zero = gl.zeros([16 * _WARPS, 8], gl.float32, layout=mma)
+    for t in gl.static_range(TILES):
+        # Rows in the layout the sums end in: [warps, 2] -> row 2 warp + h of the tile.
+        y = zero
+        y_up = zero
+        mbarrier.wait(bars.index(t), 0)
+        for g in range(GROUPS):
+            i = t * GROUPS + g
+            xb = x_smem.index(g).permute([1, 0]).load(B_L)
+            xs = gl.expand_dims(xsum_smem.index(g).load(COLS), 0)
+            prod = mma_v2(_a_operand(words_view.index(i).load(WL), A_L, FP16), xb, zero)
+            s = gl.expand_dims(s_view.index(i).load(ROWS).to(gl.float32), 1)
+            mn = gl.expand_dims(m_view.index(i).load(ROWS).to(gl.float32), 1)
+            y += s * prod + (mn - s * MAGIC) * xs
+            if ACT == 1:
+                j = i + TILES * GROUPS
+                prod_up = mma_v2(_a_operand(words_view.index(j).load(WL), A_L, FP16), xb, zero)
+                s_up = gl.expand_dims(s_view.index(j).load(ROWS).to(gl.float32), 1)
+                mn_up = gl.expand_dims(m_view.index(j).load(ROWS).to(gl.float32), 1)
+                y_up += s_up * prod_up + (mn_up - s_up * MAGIC) * xs
+        # Keep mma row (h, r)'s column r, then add up the blocks: [warps, 2 (h), 8 (r), 8 (c)] -> [warps, 2].
+        out = gl.sum(gl.sum(gl.reshape(gl.where(keep, y, 0.0), [_WARPS, 2, 8, 8]), axis=3), axis=2) * rstd
+        out_up = out
+        if ACT == 1:
+            out_up = gl.sum(gl.sum(gl.reshape(gl.where(keep, y_up, 0.0), [_WARPS, 2, 8, 8]), axis=3), axis=2) * rstd
+        rows = (
+            row0
+            + t * 16
+            + gl.expand_dims(gl.arange(0, _WARPS, layout=gl.SliceLayout(1, out.type.layout)) * 2, 1)
+            + gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, out.type.layout)), 0)
+        )
+        bias, res = _load_bias_residual(rows, N, b_ptr, res_ptr, BIAS, RESIDUAL)
+        _store_rows(out, out_up, rows, N, out_ptr, bias, res, BIAS, ACT, RESIDUAL)
+    for t in gl.static_range(TILES):
+        mbarrier.invalidate(bars.index(t))
