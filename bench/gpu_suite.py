@@ -479,7 +479,7 @@ ONE_ROW_CASES = [  # (N, K, act, norm, residual, bias, dtype)
     (32000, 2048, 0, True, False, False, torch.bfloat16), (1000, 5632, 2, True, True, True, torch.float32),
     (1152, 384, 1, True, False, False, torch.float32), (384, 1024, 0, False, True, True, torch.float32),
     (6144, 2048, 0, True, True, False, torch.float32), (5632, 2048, 1, True, False, False, torch.float32),
-    (77, 1536, 1, True, True, False, torch.float16),
+    (77, 1536, 1, True, True, False, torch.float16), (1000, 2048, 2, True, True, True, torch.bfloat16),
 ]  # fmt: skip
 
 
@@ -586,6 +586,84 @@ def staged_section() -> dict[str, Any]:
     cuda_ops.STAGED_EARLY_LAUNCH = best.endswith("True")
     print("staged variants", variants, flush=True)
     m.close()
+    torch.cuda.empty_cache()
+    return res
+
+
+STAGED_MMA_SMOKE = """
+import torch
+from tinyloop.kernels import cuda_ops
+from tinyloop.kernels.cuda_backend import pdl_supported, staged_supported
+from tinyloop.quant import BlockedInt4Weight, quantize_int4
+cuda_ops.USE_PDL, cuda_ops.USE_STAGED_GEMV = pdl_supported(), staged_supported()
+cuda_ops.STAGED_MMA, cuda_ops.STAGED_SHAPES = True, None
+q = quantize_int4(torch.randn(2048, 2048) / 45, 64)
+x = torch.randn(1, 2048).bfloat16()
+y = cuda_ops.fused_linear(x.cuda(), BlockedInt4Weight.from_int4(q).to("cuda"))
+torch.cuda.synchronize()
+ref = x.double() @ q.dequantize().double().T
+print("staged mma smoke ok", cuda_ops.USE_STAGED_GEMV, float((y.double().cpu() - ref).norm() / ref.norm()))
+"""
+
+
+def staged_mma_section() -> dict[str, Any]:
+    """The staged GEMV on tensor cores (cuda_ops.STAGED_MMA, kernels/gluon_gemv_staged_mma.py): one call in a
+    child process first (a wrong barrier count would hang), then against float64 and the CUDA-core staged and
+    Gluon GEMVs; alone per seed-407m shape; in the chain: 64 raw decode steps of one seed-407m model (graphs
+    re-captured) per policy, alternated twice, and the fastest policy's greedy tokens against the committed
+    setting's on fresh models. The fastest applies to later sections where its tokens agree."""
+    from tinyloop.kernels.cuda_backend import pdl_supported, staged_supported
+
+    cuda_ops.USE_PDL = pdl_supported()
+    res: dict[str, Any] = {"supported": staged_supported()}
+    if not res["supported"]:
+        return res
+    try:
+        smoke = subprocess.run([sys.executable, "-c", STAGED_MMA_SMOKE], capture_output=True, text=True, timeout=120)
+        res["smoke"] = {"rc": smoke.returncode, "out": smoke.stdout[-500:], "err": smoke.stderr[-3000:]}
+    except subprocess.TimeoutExpired:
+        res["smoke"] = {"rc": "timeout"}
+    print("staged mma smoke", res["smoke"], flush=True)
+    if res["smoke"]["rc"] != 0:
+        return res
+    committed: dict[str, Any] = {"USE_STAGED_GEMV": True, "USE_GLUON_GEMV": True, "STAGED_MMA": False,
+                                 "STAGED_SHAPES": cuda_ops.STAGED_SHAPES}  # fmt: skip
+    mma_all = {**committed, "STAGED_MMA": True, "STAGED_SHAPES": None}
+    settings = {"mma": mma_all, "staged": {**committed, "STAGED_SHAPES": None},
+                "gluon": {**committed, "USE_STAGED_GEMV": False}}  # fmt: skip
+    res["checks"] = _one_row_checks(settings)
+    res["alone"] = {}
+    gen_cuda = torch.Generator(device="cuda").manual_seed(0)
+    for name in ("qkv", "out", "gate_up", "down"):
+        n, k, act = SEED_SHAPES[name]
+        ws = random_int4_copies(2 * n if act == 1 else n, k, gen_cuda)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        res["alone"][name] = {}
+        for setting, switches in settings.items():
+            _apply(switches)
+            res["alone"][name][setting] = time_cycling(x, ws, act)
+        print("staged mma alone", name, {c: round(v["us"], 2) for c, v in res["alone"][name].items()}, flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    policies = {"committed": committed, "mma qkv+gate_up": {**committed, "STAGED_MMA": True}, "mma all": mma_all}
+    wait_for_models(SEED_PATH)
+    m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
+    decode_ms = _recapturing_decode(m)
+    chain: dict[str, list[float]] = {}
+    for _ in range(2):
+        for name, switches in policies.items():
+            _apply(switches)
+            chain.setdefault(name, []).append(decode_ms())
+    m.close()
+    res["chain_ms"] = chain
+    best = min(chain, key=lambda c: min(chain[c]))
+    tokens = {}
+    for name in dict.fromkeys(("committed", best)):
+        _apply(policies[name])
+        tokens[name] = _fresh_seed_decode()[1]
+    res["best"], res["greedy_tokens_identical"] = best, tokens[best] == tokens["committed"]
+    _apply(policies[best] if res["greedy_tokens_identical"] else committed)
+    print("staged mma chain", chain, best, res["greedy_tokens_identical"], flush=True)
     torch.cuda.empty_cache()
     return res
 
@@ -1355,6 +1433,7 @@ SECTIONS = {
     "gemm": gemm_section,
     "int4_gemm": int4_gemm_section,
     "tiny_split": tiny_split_section,
+    "staged_mma": staged_mma_section,
     "prefill_profile": prefill_profile_section,
     "profile": profile_section,
     "seed407m": seed_section,
