@@ -15,6 +15,7 @@ rows x 8 blocks, one mbarrier per tile, as in the staged kernel; CUDA with TMA (
 
 from __future__ import annotations
 
+import triton
 import triton.language as tl
 
 from tinyloop.kernels.gluon_gemv import _jit, _launch_dependents, _load_bias_residual, _store_rows, gl
@@ -152,28 +153,32 @@ def _gemv_int4_staged_mma_kernel(
         _launch_dependents()
 
     # x (times the norm's gain), rounded to 16 bits, in the B operand's order, and its per-block sums, once
-    # per program: x_smem[g, c, k] = x[(8 g + c) 64 + column(k)], column(k) the A operand's (see _a_operand).
-    XL: gl.constexpr = gl.BlockedLayout([1, 2], [1, 32], [_WARPS, 1], [1, 0])  # [c, k]
+    # per program, all groups in one batch of loads: x_smem[g, c, k] = x[(8 g + c) 64 + column(k)], column(k)
+    # the A operand's (see _a_operand).
+    GP: gl.constexpr = triton.next_power_of_2(GROUPS)
+    XL: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 1, 32], [1, _WARPS, 1], [2, 1, 0])  # [g, c, k]
     # (Shared layouts have the rank of one element of the buffers, which are indexed along their first dim.)
     plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
     plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
-    x_smem = gl.allocate_shared_memory(dt, [GROUPS, 8, 64], plain2)
-    xsum_smem = gl.allocate_shared_memory(gl.float32, [GROUPS, 8], plain1)
-    i_c = gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, XL)), 1)
-    i_k = gl.expand_dims(gl.arange(0, 64, layout=gl.SliceLayout(0, XL)), 0)
-    x_cols = i_c * 64 + 8 * (i_k // 16 + 4 * (i_k % 2)) + 2 * ((i_k // 2) % 4) + (i_k // 8) % 2
-    sumsq = gl.zeros([8, 64], gl.float32, layout=XL)
-    for g in range(GROUPS):
-        xv = gl.load(x_ptr + g * 512 + x_cols).to(gl.float32)
-        if NORM:
-            sumsq += xv * xv
-            xv = xv * gl.load(nw_ptr + g * 512 + x_cols).to(gl.float32)
-        xr = xv.to(dt)
-        x_smem.index(g).store(xr)
-        xsum_smem.index(g).store(gl.sum(xr.to(gl.float32), axis=1))
+    x_flat = gl.allocate_shared_memory(dt, [GP * 8, 64], plain2)
+    xsum_flat = gl.allocate_shared_memory(gl.float32, [GP * 8], plain1)
+    i_g = gl.arange(0, GP, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
+    i_c = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
+    i_k = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
+    col = 8 * (i_k // 16 + 4 * (i_k % 2)) + 2 * ((i_k // 2) % 4) + (i_k // 8) % 2
+    gc = gl.expand_dims(gl.expand_dims(i_g * 512, 1) + gl.expand_dims(i_c * 64, 0), 2)
+    x_cols = gc + gl.expand_dims(gl.expand_dims(col, 0), 1)
+    x_mask = x_cols < K
+    xv = gl.load(x_ptr + x_cols, mask=x_mask, other=0.0).to(gl.float32)
     rstd = 1.0
     if NORM:
-        rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(sumsq, axis=1), axis=0) / K + eps)
+        rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(gl.sum(xv * xv, axis=2), axis=1), axis=0) / K + eps)
+        xv = xv * gl.load(nw_ptr + x_cols, mask=x_mask, other=0.0).to(gl.float32)
+    xr = xv.to(dt)
+    x_flat.store(gl.reshape(xr, [GP * 8, 64]))
+    xsum_flat.store(gl.reshape(gl.sum(xr.to(gl.float32), axis=2), [GP * 8]))
+    x_smem = x_flat._reinterpret(dt, [GP, 8, 64], plain2)
+    xsum_smem = xsum_flat._reinterpret(gl.float32, [GP, 8], plain1)
     gl.thread_barrier()
 
     plain6: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[5, 4, 3, 2, 1, 0])
@@ -183,12 +188,19 @@ def _gemv_int4_staged_mma_kernel(
     rho = gl.arange(0, 16 * _WARPS, layout=ROWS)
     keep = gl.expand_dims(rho % 8, 1) == gl.expand_dims(gl.arange(0, 8, layout=COLS), 0)
     zero = gl.zeros([16 * _WARPS, 8], gl.float32, layout=mma)
+    # A tile's rows [warps, 2] -> row 2 warp + h, for the bias, residual and store.
+    RL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [1, _WARPS], [1, 0])
+    tile_rows = gl.expand_dims(gl.arange(0, _WARPS, layout=gl.SliceLayout(1, RL)) * 2, 1) + gl.expand_dims(
+        gl.arange(0, 2, layout=gl.SliceLayout(0, RL)), 0
+    )
     for t in gl.static_range(TILES):
-        # Rows in the layout the sums end in: [warps, 2] -> row 2 warp + h of the tile.
+        rows = row0 + t * 16 + tile_rows
+        # Fetched first, so that their latency hides behind the tile's arithmetic.
+        bias, res = _load_bias_residual(rows, N, b_ptr, res_ptr, BIAS, RESIDUAL)
         y = zero
         y_up = zero
         mbarrier.wait(bars.index(t), 0)
-        for g in range(GROUPS):
+        for g in gl.static_range(GROUPS):  # unrolled: the groups' mma chains are independent
             i = t * GROUPS + g
             xb = x_smem.index(g).permute([1, 0]).load(B_L)
             xs = gl.expand_dims(xsum_smem.index(g).load(COLS), 0)
@@ -207,13 +219,8 @@ def _gemv_int4_staged_mma_kernel(
         out_up = out
         if ACT == 1:
             out_up = gl.sum(gl.sum(gl.reshape(gl.where(keep, y_up, 0.0), [_WARPS, 2, 8, 8]), axis=3), axis=2) * rstd
-        rows = (
-            row0
-            + t * 16
-            + gl.expand_dims(gl.arange(0, _WARPS, layout=gl.SliceLayout(1, out.type.layout)) * 2, 1)
-            + gl.expand_dims(gl.arange(0, 2, layout=gl.SliceLayout(0, out.type.layout)), 0)
-        )
-        bias, res = _load_bias_residual(rows, N, b_ptr, res_ptr, BIAS, RESIDUAL)
+        out = gl.convert_layout(out, RL)
+        out_up = gl.convert_layout(out_up, RL)
         _store_rows(out, out_up, rows, N, out_ptr, bias, res, BIAS, ACT, RESIDUAL)
     for t in gl.static_range(TILES):
         mbarrier.invalidate(bars.index(t))
