@@ -89,6 +89,12 @@ def _a_operand(words, A_L: gl.constexpr, FP16: gl.constexpr):
 
 
 @_jit
+def _b_column(k):
+    """The block column whose x sits in row k of the B operand: the A operand's column k (see _a_operand)."""
+    return 8 * (k // 16 + 4 * (k % 2)) + 2 * ((k // 2) % 4) + (k // 8) % 2
+
+
+@_jit
 def _gemv_int4_staged_mma_kernel(
     x_ptr,
     w_desc,
@@ -165,7 +171,7 @@ def _gemv_int4_staged_mma_kernel(
     i_g = gl.arange(0, GP, layout=gl.SliceLayout(1, gl.SliceLayout(2, XL)))
     i_c = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, XL)))
     i_k = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, XL)))
-    col = 8 * (i_k // 16 + 4 * (i_k % 2)) + 2 * ((i_k // 2) % 4) + (i_k // 8) % 2
+    col = _b_column(i_k)
     gc = gl.expand_dims(gl.expand_dims(i_g * 512, 1) + gl.expand_dims(i_c * 64, 0), 2)
     x_cols = gc + gl.expand_dims(gl.expand_dims(col, 0), 1)
     x_mask = x_cols < K
