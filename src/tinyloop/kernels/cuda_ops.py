@@ -48,6 +48,9 @@ BLOCKED_GEMM_MAX_ROWS = 16
 SPLITK_PROGRAMS = 264
 # From BLOCKED_GEMM_MAX_ROWS + 1 up to this many rows, blocked INT4 weights take the pipelined tensor-core
 # kernel (`_gemm_blocked_int4_kernel`, reading the 4-bit words) instead of dequantize + cuBLAS; 0: never.
+# Never: on the H200 it is 2-3x slower than cuBLAS on the dequantized weight at 32-128 rows, and seed-407m's
+# prefill of 128 tokens took 4.8-5.0 ms with it against 2.9-3.1 without (session 10, h200_session10_b.json).
+# With cuBLAS switched off it still replaces the split-K kernel from BLOCKED_GEMM_MAX_ROWS + 1 rows up.
 INT4_GEMM_MAX_ROWS = 0
 
 # RoPE + cache write: rows per program (fewer, bigger programs for long prefills).
@@ -332,8 +335,9 @@ def _int4_gemm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int, in
     bucket = triton.next_power_of_2(rows)
     if (n, k, bucket) in INT4_GEMM_CONFIGS:
         return INT4_GEMM_CONFIGS[(n, k, bucket)]
-    block_m = 64 if rows <= 64 else 128
-    return 128 if n > 2048 else 64, block_m, 64, 4 if block_m == 64 else 8, 3, 1
+    # The most frequent winner of bench/gpu_suite.py's int4_gemm sweep (H200, seed-407m shapes, 32-128 rows,
+    # h200_session10_b.json): 64 weight rows x 128 columns per step, 4 warps, 3 stages, K split in four.
+    return 64, min(128, max(16, bucket)), 128, 4, 3, 4
 
 
 def int4_rows_on_cublas(rows: int) -> bool:
