@@ -178,8 +178,9 @@ def _gemv_int4_staged_mma_kernel(
     xv = gl.load(x_ptr + x_cols, mask=x_mask, other=0.0).to(gl.float32)
     rstd = 1.0
     if NORM:
+        gain = gl.load(nw_ptr + x_cols, mask=x_mask, other=0.0).to(gl.float32)  # issued before the sum's barrier
         rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(gl.sum(xv * xv, axis=2), axis=1), axis=0) / K + eps)
-        xv = xv * gl.load(nw_ptr + x_cols, mask=x_mask, other=0.0).to(gl.float32)
+        xv = xv * gain
     xr = xv.to(dt)
     x_flat.store(gl.reshape(xr, [GP * 8, 64]))
     xsum_flat.store(gl.reshape(gl.sum(xr.to(gl.float32), axis=2), [GP * 8]))
