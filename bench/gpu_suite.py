@@ -645,7 +645,10 @@ def staged_mma_section() -> dict[str, Any]:
         print("staged mma alone", name, {c: round(v["us"], 2) for c, v in res["alone"][name].items()}, flush=True)
         del ws
         torch.cuda.empty_cache()
-    policies = {"committed": committed, "mma qkv+gate_up": {**committed, "STAGED_MMA": True}, "mma all": mma_all}
+    but_out = frozenset({(6144, 2048, 0), (5632, 2048, 1), (2048, 5632, 0)})
+    policies = {"committed": committed, "mma qkv+gate_up": {**committed, "STAGED_MMA": True},
+                "mma qkv+gate_up+down": {**committed, "STAGED_MMA": True, "STAGED_SHAPES": but_out},
+                "mma all": mma_all}  # fmt: skip
     wait_for_models(SEED_PATH)
     m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
     decode_ms = _recapturing_decode(m)
