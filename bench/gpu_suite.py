@@ -629,7 +629,8 @@ def staged_mma_section() -> dict[str, Any]:
     committed: dict[str, Any] = {"USE_STAGED_GEMV": True, "USE_GLUON_GEMV": True, "STAGED_MMA": False,
                                  "STAGED_SHAPES": cuda_ops.STAGED_SHAPES}  # fmt: skip
     mma_all = {**committed, "STAGED_MMA": True, "STAGED_SHAPES": None}
-    settings = {"mma": mma_all, "staged": {**committed, "STAGED_SHAPES": None},
+    settings = {"mma": mma_all, "mma 3 per SM": {**mma_all, "STAGED_MMA_PROGRAMS_PER_SM": 3},
+                "staged": {**committed, "STAGED_SHAPES": None},
                 "gluon": {**committed, "USE_STAGED_GEMV": False}}  # fmt: skip
     res["checks"] = _one_row_checks(settings)
     res["alone"] = {}
@@ -645,10 +646,10 @@ def staged_mma_section() -> dict[str, Any]:
         print("staged mma alone", name, {c: round(v["us"], 2) for c, v in res["alone"][name].items()}, flush=True)
         del ws
         torch.cuda.empty_cache()
-    but_out = frozenset({(6144, 2048, 0), (5632, 2048, 1), (2048, 5632, 0)})
-    policies = {"committed": committed, "mma qkv+gate_up": {**committed, "STAGED_MMA": True},
-                "mma qkv+gate_up+down": {**committed, "STAGED_MMA": True, "STAGED_SHAPES": but_out},
-                "mma all": mma_all}  # fmt: skip
+    mma3 = {"STAGED_MMA_PROGRAMS_PER_SM": 3}
+    policies = {"committed": {**committed, **mma3}, "mma qkv+gate_up": {**committed, "STAGED_MMA": True},
+                "mma qkv+gate_up, 3 per SM": {**committed, "STAGED_MMA": True, **mma3},
+                "mma all, 3 per SM": {**mma_all, **mma3}}  # fmt: skip
     wait_for_models(SEED_PATH)
     m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
     decode_ms = _recapturing_decode(m)

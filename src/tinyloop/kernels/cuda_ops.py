@@ -189,6 +189,8 @@ STAGED_SHAPES: frozenset[tuple[int, int, int]] | None = frozenset({(6144, 2048, 
 STAGED_LAYOUT = (2, 8, 0)
 # 16-bit x takes the staged GEMV's tensor-core variant (kernels/gluon_gemv_staged_mma.py) where its shape applies.
 STAGED_MMA = False
+# Its programs per SM: its 47 registers a thread leave room for more warps than the CUDA-core kernel's one program.
+STAGED_MMA_PROGRAMS_PER_SM = 1
 
 
 @functools.cache
@@ -220,11 +222,12 @@ def _gemv_staged(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: 
     aligned = all(t.data_ptr() % 16 == 0 for t in (words, w.scale, w.minimum))
     if not (aligned and words.is_contiguous() and w.scale.is_contiguous() and w.minimum.is_contiguous()):
         return False
-    plan = staged_plan(N, K, flags["ACT"], _sm_count(x.device.index or 0), w.scale.element_size())
+    mma = STAGED_MMA and staged_mma.applies(N, K, x.element_size())
+    slots = _sm_count(x.device.index or 0) * (STAGED_MMA_PROGRAMS_PER_SM if mma else 1)
+    plan = staged_plan(N, K, flags["ACT"], slots, w.scale.element_size())
     if plan is None:
         return False
     rows, blocks = words.shape[0], K // 64
-    mma = STAGED_MMA and staged_mma.applies(N, K, x.element_size())
     box = staged_mma.BOX_BLOCKS if mma else CHUNK_BLOCKS
     word_layout = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
     group_layout = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * w.scale.element_size(), rank=2)
