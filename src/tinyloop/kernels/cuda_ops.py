@@ -228,23 +228,22 @@ def _gemv_staged(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: 
     if plan is None:
         return False
     rows, blocks = words.shape[0], K // 64
-    box = staged_mma.BOX_BLOCKS if mma else CHUNK_BLOCKS
     word_layout = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=32, rank=3)
     group_layout = NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8 * w.scale.element_size(), rank=2)
-    w_desc = TensorDescriptor(words, [rows, blocks, 8], [blocks * 8, 8, 1], [TILE_ROWS, box, 8], word_layout)
-    s_desc, m_desc = (TensorDescriptor(t, [rows, blocks], [blocks, 1], [TILE_ROWS, box], group_layout)
+    w_desc = TensorDescriptor(words, [rows, blocks, 8], [blocks * 8, 8, 1], [TILE_ROWS, CHUNK_BLOCKS, 8], word_layout)
+    s_desc, m_desc = (TensorDescriptor(t, [rows, blocks], [blocks, 1], [TILE_ROWS, CHUNK_BLOCKS], group_layout)
                       for t in (w.scale, w.minimum))  # fmt: skip
     common = dict(NORM=flags["NORM"], BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"],
-                  TILES=plan.tiles, **_pdl(STAGED_EARLY_LAUNCH))  # fmt: skip
+                  TILES=plan.tiles, KCH=plan.chunks, **_pdl(STAGED_EARLY_LAUNCH))  # fmt: skip
     try:
         if mma:
             staged_mma._gemv_int4_staged_mma_kernel[(plan.programs,)](
-                x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, GROUPS=blocks // box,
+                x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, GROUPS=blocks // staged_mma.BOX_BLOCKS,
                 FP16=x.dtype == torch.float16, num_warps=staged_mma.WARPS, **common,
             )  # fmt: skip
         else:
             _gemv_int4_staged_kernel[(plan.programs,)](
-                x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, PRMT_HIGH_BYTE, KCH=plan.chunks,
+                x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, PRMT_HIGH_BYTE,
                 R=STAGED_LAYOUT[0], WR=STAGED_LAYOUT[1], num_warps=STAGED_LAYOUT[1], **common,
                 **({"maxnreg": STAGED_LAYOUT[2]} if STAGED_LAYOUT[2] else {}),
             )  # fmt: skip

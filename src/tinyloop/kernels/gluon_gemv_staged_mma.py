@@ -89,6 +89,21 @@ def _a_operand(words, A_L: gl.constexpr, FP16: gl.constexpr):
 
 
 @_jit
+def _step_words(words_view, i, q, WL3: gl.constexpr, WL: gl.constexpr):
+    """Box i's words of mma step q (blocks 8q.. of the box) as [1, warps, 2 (h), 8 (r), 4 (a), 2 (w)]."""
+    step = words_view.index(i).slice(q, 1, dim=1).load(WL3)  # [16 rows, 1, 64 words]
+    return gl.convert_layout(gl.reshape(step, [1, _WARPS, 2, 8, 4, 2]), WL, assert_trivial=True)
+
+
+@_jit
+def _step_rows(view, i, q, SL3: gl.constexpr, ROWS: gl.constexpr):
+    """Box i's scales (or minimums) of mma step q per mma row, as a float32 [16 warps, 1] column."""
+    step = view.index(i).slice(q, 1, dim=1).load(SL3)  # [16 rows, 1, 8 blocks]
+    flat = gl.convert_layout(gl.reshape(step, [16 * _WARPS]), ROWS, assert_trivial=True)
+    return gl.expand_dims(flat.to(gl.float32), 1)
+
+
+@_jit
 def _b_column(k):
     """The block column whose x sits in row k of the B operand: the A operand's column k (see _a_operand)."""
     return 8 * (k // 16 + 4 * (k % 2)) + 2 * ((k // 2) % 4) + (k // 8) % 2
@@ -112,14 +127,16 @@ def _gemv_int4_staged_mma_kernel(
     ACT: gl.constexpr,
     RESIDUAL: gl.constexpr,
     TILES: gl.constexpr,
+    KCH: gl.constexpr,
     GROUPS: gl.constexpr,
     FP16: gl.constexpr,
     PDL: gl.constexpr,
 ):
     """out[n] = act(sum_k norm(x)_k w[n, k]) (+ residual) for one 16-bit row x; rows pid * TILES * 16.. of w.
-    w_desc: the words as [rows, blocks, 8] with [16, 8, 8] boxes; s_desc / m_desc: scales and minimums as
-    [rows, blocks] with [16, 8] boxes; GROUPS = K / 512 boxes per tile row. SwiGLU (ACT 1) reads the up half
-    N rows further down."""
+    w_desc: the words as [rows, blocks, 8] with [16, 32, 8] boxes; s_desc / m_desc: scales and minimums as
+    [rows, blocks] with [16, 32] boxes (as the CUDA-core staged kernel's: big boxes, few TMA requests); KCH
+    boxes per tile row, GROUPS = K / 512 mma steps of 8 blocks. SwiGLU (ACT 1) reads the up half N rows
+    further down."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[_WARPS, 1], instr_shape=[16, 8])
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
@@ -127,30 +144,40 @@ def _gemv_int4_staged_mma_kernel(
     WL: gl.constexpr = gl.BlockedLayout([1, 1, 2, 1, 1, 2], [1, 1, 1, 8, 4, 1], [1, _WARPS, 1, 1, 1, 1],
                                         [5, 4, 3, 2, 1, 0])  # fmt: skip
     ROWS: gl.constexpr = gl.SliceLayout(1, mma)
+    # One step's slice of a box, [16 rows (2 warp + h), 1, 64 words (8 r + 2 a + w)], held as WL holds it, and
+    # its scales [16 rows, 1, 8 blocks r], held where mma row 16 warp + 8 h + r is (lanes 4 r + t).
+    WL3: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [1, 0, 0]], lane_bases=[[0, 0, 2], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 0, 32]],
+        warp_bases=[[2, 0, 0], [4, 0, 0], [8, 0, 0]], block_bases=[], shape=[16, 1, 64],
+    )  # fmt: skip
+    SL3: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[1, 0, 0]], lane_bases=[[0, 0, 0], [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 0, 4]],
+        warp_bases=[[2, 0, 0], [4, 0, 0], [8, 0, 0]], block_bases=[], shape=[16, 1, 8],
+    )  # fmt: skip
     COLS: gl.constexpr = gl.SliceLayout(0, mma)
     HALVES: gl.constexpr = 2 if ACT == 1 else 1
-    BOXES: gl.constexpr = HALVES * TILES * GROUPS
+    BOXES: gl.constexpr = HALVES * TILES * KCH
     MAGIC: gl.constexpr = 1024.0 if FP16 else 128.0
     dt = x_ptr.dtype.element_ty
     row0 = gl.program_id(0) * (TILES * 16)
 
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [BOXES, 16, 8, 8], w_desc.layout)
-    s_smem = gl.allocate_shared_memory(s_desc.dtype, [BOXES, 16, 8], s_desc.layout)
-    m_smem = gl.allocate_shared_memory(m_desc.dtype, [BOXES, 16, 8], m_desc.layout)
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [BOXES, 16, 32, 8], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(s_desc.dtype, [BOXES, 16, 32], s_desc.layout)
+    m_smem = gl.allocate_shared_memory(m_desc.dtype, [BOXES, 16, 32], m_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [TILES, 1], mbarrier.MBarrierLayout())
     for t in gl.static_range(TILES):
         mbarrier.init(bars.index(t), count=1)
     fence_async_shared()
     box_bytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + m_desc.block_type.nbytes
     for t in gl.static_range(TILES):
-        mbarrier.expect(bars.index(t), HALVES * GROUPS * box_bytes)
+        mbarrier.expect(bars.index(t), HALVES * KCH * box_bytes)
         for h in gl.static_range(HALVES):
-            for g in gl.static_range(GROUPS):
-                i = (h * TILES + t) * GROUPS + g
+            for c in gl.static_range(KCH):
+                i = (h * TILES + t) * KCH + c
                 r = row0 + t * 16 + h * N
-                tma.async_copy_global_to_shared(w_desc, [r, g * 8, 0], bars.index(t), w_smem.index(i))
-                tma.async_copy_global_to_shared(s_desc, [r, g * 8], bars.index(t), s_smem.index(i))
-                tma.async_copy_global_to_shared(m_desc, [r, g * 8], bars.index(t), m_smem.index(i))
+                tma.async_copy_global_to_shared(w_desc, [r, c * 32, 0], bars.index(t), w_smem.index(i))
+                tma.async_copy_global_to_shared(s_desc, [r, c * 32], bars.index(t), s_smem.index(i))
+                tma.async_copy_global_to_shared(m_desc, [r, c * 32], bars.index(t), m_smem.index(i))
     if PDL == 2:
         _launch_dependents()
         _wait()
@@ -188,10 +215,12 @@ def _gemv_int4_staged_mma_kernel(
     xsum_smem = xsum_flat._reinterpret(gl.float32, [GP, 8], plain1)
     gl.thread_barrier()
 
-    plain6: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[5, 4, 3, 2, 1, 0])
-    words_view = w_smem._reinterpret(gl.int32, [BOXES, 1, _WARPS, 2, 8, 4, 2], plain6)
-    s_view = s_smem._reinterpret(s_desc.dtype, [BOXES, 128], plain1)
-    m_view = m_smem._reinterpret(m_desc.dtype, [BOXES, 128], plain1)
+    # A box [16 rows, 32 blocks, 8 words] seen as [warp, h, group q, block r, a, w]; step q's words are
+    # [warp, h, r, a, w] (lane (r, a) reads 32 contiguous bytes of a row: no bank conflicts).
+    plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+    words_view = w_smem._reinterpret(gl.int32, [BOXES, 16, 4, 64], plain3)
+    s_view = s_smem._reinterpret(s_desc.dtype, [BOXES, 16, 4, 8], plain3)
+    m_view = m_smem._reinterpret(m_desc.dtype, [BOXES, 16, 4, 8], plain3)
     rho = gl.arange(0, 16 * _WARPS, layout=ROWS)
     keep = gl.expand_dims(rho % 8, 1) == gl.expand_dims(gl.arange(0, 8, layout=COLS), 0)
     zero = gl.zeros([16 * _WARPS, 8], gl.float32, layout=mma)
@@ -208,18 +237,18 @@ def _gemv_int4_staged_mma_kernel(
         y_up = zero
         mbarrier.wait(bars.index(t), 0)
         for g in gl.static_range(GROUPS):  # unrolled: the groups' mma chains are independent
-            i = t * GROUPS + g
+            i = t * KCH + g // 4
             xb = x_smem.index(g).permute([1, 0]).load(B_L)
             xs = gl.expand_dims(xsum_smem.index(g).load(COLS), 0)
-            prod = mma_v2(_a_operand(words_view.index(i).load(WL), A_L, FP16), xb, zero)
-            s = gl.expand_dims(s_view.index(i).load(ROWS).to(gl.float32), 1)
-            mn = gl.expand_dims(m_view.index(i).load(ROWS).to(gl.float32), 1)
+            prod = mma_v2(_a_operand(_step_words(words_view, i, g % 4, WL3, WL), A_L, FP16), xb, zero)
+            s = _step_rows(s_view, i, g % 4, SL3, ROWS)
+            mn = _step_rows(m_view, i, g % 4, SL3, ROWS)
             y += s * prod + (mn - s * MAGIC) * xs
             if ACT == 1:
-                j = i + TILES * GROUPS
-                prod_up = mma_v2(_a_operand(words_view.index(j).load(WL), A_L, FP16), xb, zero)
-                s_up = gl.expand_dims(s_view.index(j).load(ROWS).to(gl.float32), 1)
-                mn_up = gl.expand_dims(m_view.index(j).load(ROWS).to(gl.float32), 1)
+                j = i + TILES * KCH
+                prod_up = mma_v2(_a_operand(_step_words(words_view, j, g % 4, WL3, WL), A_L, FP16), xb, zero)
+                s_up = _step_rows(s_view, j, g % 4, SL3, ROWS)
+                mn_up = _step_rows(m_view, j, g % 4, SL3, ROWS)
                 y_up += s_up * prod_up + (mn_up - s_up * MAGIC) * xs
         # Keep mma row (h, r)'s column r, then add up the blocks: [warps, 2 (h), 8 (r), 8 (c)] -> [warps, 2].
         out = gl.sum(gl.sum(gl.reshape(gl.where(keep, y, 0.0), [_WARPS, 2, 8, 8]), axis=3), axis=2) * rstd
