@@ -627,7 +627,7 @@ def staged_mma_section() -> dict[str, Any]:
     if res["smoke"]["rc"] != 0:
         return res
     committed: dict[str, Any] = {"USE_STAGED_GEMV": True, "USE_GLUON_GEMV": True, "STAGED_MMA": False,
-                                 "STAGED_SHAPES": cuda_ops.STAGED_SHAPES}  # fmt: skip
+                                 "STAGED_SHAPES": cuda_ops.STAGED_SHAPES, "STAGED_MMA_PROGRAMS_PER_SM": 1}  # fmt: skip
     mma_all = {**committed, "STAGED_MMA": True, "STAGED_SHAPES": None}
     settings = {"mma": mma_all, "mma 3 per SM": {**mma_all, "STAGED_MMA_PROGRAMS_PER_SM": 3},
                 "staged": {**committed, "STAGED_SHAPES": None},
@@ -647,7 +647,7 @@ def staged_mma_section() -> dict[str, Any]:
         del ws
         torch.cuda.empty_cache()
     mma3 = {"STAGED_MMA_PROGRAMS_PER_SM": 3}
-    policies = {"committed": {**committed, **mma3}, "mma qkv+gate_up": {**committed, "STAGED_MMA": True},
+    policies = {"committed": committed, "mma qkv+gate_up": {**committed, "STAGED_MMA": True},
                 "mma qkv+gate_up, 3 per SM": {**committed, "STAGED_MMA": True, **mma3},
                 "mma all, 3 per SM": {**mma_all, **mma3}}  # fmt: skip
     wait_for_models(SEED_PATH)

@@ -188,8 +188,11 @@ STAGED_SHAPES: frozenset[tuple[int, int, int]] | None = frozenset({(6144, 2048, 
 # cap matters where a program's registers would keep the next kernel's program off the SM.
 STAGED_LAYOUT = (2, 8, 0)
 # 16-bit x takes the staged GEMV's tensor-core variant (kernels/gluon_gemv_staged_mma.py) where its shape applies.
+# Off: on the H200 it lost in every version tried (session 10, docs/BENCHMARKS.md): QKV 6.4 against 4.6 µs alone,
+# and seed-407m's 64 raw decode steps took 88.4-89.6 ms with QKV and gate / up on it against 74.9-75.3.
 STAGED_MMA = False
-# Its programs per SM: its 47 registers a thread leave room for more warps than the CUDA-core kernel's one program.
+# Its programs per SM (its ~50 registers a thread leave room for more than the CUDA-core kernel's one program):
+# 3 took gate / up from 11.1 to 9.1 µs alone but did not move the chain.
 STAGED_MMA_PROGRAMS_PER_SM = 1
 
 
