@@ -241,7 +241,7 @@ def _gemv_staged(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: 
     try:
         if mma:
             staged_mma._gemv_int4_staged_mma_kernel[(plan.programs,)](
-                x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, GROUPS=blocks // staged_mma.BOX_BLOCKS,
+                x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, GROUPS=blocks // staged_mma.STEP_BLOCKS,
                 FP16=x.dtype == torch.float16, num_warps=staged_mma.WARPS, **common,
             )  # fmt: skip
         else:

@@ -3,14 +3,15 @@
 Why: the staged GEMV fetches its weights before the PDL wait, so what is left after the wait is arithmetic,
 and on CUDA cores that is ~4.5 instructions per weight (ncu, session 9). Here one `lop3` turns two nibbles
 into two 16-bit floats (magic + q, exact) that are already a register of an `mma.sync` A operand, and the
-products run on tensor cores: about one instruction per weight.
+products run on tensor cores. ptxas counts ~2.3 instructions per weight; on an H200 it is still slower than the
+CUDA-core kernel, alone and in the decode chain (docs/BENCHMARKS.md, session 10), so cuda_ops.STAGED_MMA is off.
 
 A vector times a matrix uses one of the mma's 8 columns; the other 7 carry other K blocks instead. Warp w
 owns weight rows 2w and 2w + 1 of a 16-row tile; its mma rows are (row 2w + h, block 8g + r) for h < 2,
 r < 8, and column c of the B operand is x over block 8g + c, so the products that mean something are
 those of mma row (h, r) with column r. Per block, sum_k x_k w_k = s (sum_k x_k (magic + q_k) - magic X) +
-m X with X = sum_k x_k (x rounded to 16 bits, as the products see it). Weights arrive as TMA boxes of 16
-rows x 8 blocks, one mbarrier per tile, as in the staged kernel; CUDA with TMA (Hopper and later) only.
+m X with X = sum_k x_k (x rounded to 16 bits, as the products see it). Weights arrive in the staged kernel's
+TMA boxes (16 rows x 32 blocks, one mbarrier per tile); CUDA with TMA (Hopper and later) only.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ except Exception as exc:  # pragma: no cover - depends on the installed Triton
     mma_v2 = fence_async_shared = mbarrier = tma = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
-# 64-column blocks per TMA box and per mma step (the mma's 8 columns).
-BOX_BLOCKS = 8
+# 64-column blocks per mma step (the mma's 8 columns); K must be a whole number of steps.
+STEP_BLOCKS = 8
 WARPS = 8  # two weight rows each: a 16-row tile per program step
 _WARPS = tl.constexpr(WARPS)
 
@@ -62,7 +63,7 @@ def available() -> bool:
 def applies(n: int, k: int, x_dtype_bytes: int) -> bool:
     """16-bit x, and K a whole number of TMA boxes (8 blocks of 64 columns, whose 16-bit scale rows are
     then 16-byte multiples as TMA's strides require)."""
-    return x_dtype_bytes == 2 and n > 0 and k > 0 and k % (64 * BOX_BLOCKS) == 0
+    return x_dtype_bytes == 2 and n > 0 and k > 0 and k % (64 * STEP_BLOCKS) == 0
 
 
 @_jit
