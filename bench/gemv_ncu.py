@@ -1,7 +1,8 @@
 """One seed-407m decode GEMV per shape for Nsight Compute: `ncu --kernel-name regex:_gemv --launch-skip 3
 --launch-count 1 python bench/gemv_ncu.py` profiles qkv (norm; `--launch-skip 11`: gate / up, norm + SwiGLU) at
 the built-in tiles, with weights streamed from DRAM (a different random copy per call). The Gluon GEMV where
-it builds; `--triton` for the Triton one, `--staged` for the staged one (kernel regex `_gemv_int4_staged`)."""
+it builds; `--triton` for the Triton one, `--staged` for the staged one (kernel regex `_gemv_int4_staged`),
+`--staged --mma` for its tensor-core variant (kernel regex `_gemv_int4_staged_mma`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tinyloop.quant import BlockedInt4Weight
 def main() -> None:
     cuda_ops.USE_GLUON_GEMV = "--triton" not in sys.argv and gluon_supported()
     cuda_ops.USE_STAGED_GEMV = "--staged" in sys.argv and staged_supported()
+    cuda_ops.STAGED_MMA = "--mma" in sys.argv
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n_rows, act in ((6144, cuda_ops.ACT_NONE), (2 * 5632, cuda_ops.ACT_SWIGLU)):
         k = 2048
