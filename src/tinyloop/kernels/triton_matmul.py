@@ -414,6 +414,39 @@ def _load_code_tile(w_ptr, s_ptr, m_ptr, rows, row_mask, k0, k_end, stride_w, st
 
 
 @triton.jit
+def _split_program(N, M, K, k_per_split, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Program (n, s, m) of a K-split product: its weight rows, x rows (with masks) and K range."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+    k_begin = tl.program_id(1) * k_per_split
+    return rows, rows < N, offs_m, offs_m < M, k_begin, tl.minimum(K, k_begin + k_per_split)
+
+
+@triton.jit
+def _dequant_code_tile(words, s, mn, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """`_load_code_tile`'s words as float32 weights [BLOCK_N, BLOCK_K] in the words' nibble order (position
+    8 i + j: nibble j of word i)."""
+    q = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF
+    codes = tl.reshape((q | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC, (BLOCK_N, BLOCK_K // GROUP, GROUP))
+    return tl.reshape(codes * s[:, :, None] + mn[:, :, None], (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _dot_into(w, xt, acc, IEEE: tl.constexpr):
+    """acc + w @ xt on tensor cores, in full float32 precision when IEEE."""
+    if IEEE:
+        return tl.dot(w, xt, acc, input_precision="ieee")
+    return tl.dot(w, xt, acc)
+
+
+@triton.jit
+def _store_partial(part_ptr, acc, M, N, rows, row_mask, offs_m, m_mask):
+    """A program's float32 partial product [weight rows, x rows] into part[split, x rows, weight rows]."""
+    part = part_ptr + tl.program_id(1) * M * N + offs_m[None, :] * N + rows[:, None]
+    tl.store(part, acc, mask=row_mask[:, None] & m_mask[None, :])
+
+
+@triton.jit
 def _splitk_blocked_int4_kernel(
     x_ptr,
     w_ptr,
@@ -445,20 +478,11 @@ def _splitk_blocked_int4_kernel(
     registers in the words' nibble order (word i, nibble j) while x is gathered in that same order
     (column (BLOCK / 8) j + i of the block), so no register shuffles are needed. With NORM, x is multiplied
     by the norm gain here and by 1 / rms in the epilogue."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    k_begin = pid_s * k_per_split
-    k_end = tl.minimum(K, k_begin + k_per_split)
+    rows, row_mask, offs_m, m_mask, k_begin, k_end = _split_program(N, M, K, k_per_split, BLOCK_N, BLOCK_M)
     WORDS: tl.constexpr = BLOCK // 8
     p = tl.arange(0, BLOCK_K)
     word = p // 8
     cols_in_tile = (word // WORDS) * BLOCK + WORDS * (p % 8) + word % WORDS
-    shifts = tl.arange(0, 8) * 4
     dt = x_ptr.dtype.element_ty
     # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait.
     words, s, mn = _load_code_tile(w_ptr, s_ptr, m_ptr, rows, row_mask, k_begin, k_end, stride_w, stride_g, GROUP,
@@ -476,15 +500,9 @@ def _splitk_blocked_int4_kernel(
         if NORM:
             gain = tl.load(nw_ptr + cols, mask=c_mask, other=0.0).to(dt).to(tl.float32)
             xt = (xt.to(tl.float32) * gain[:, None]).to(dt)
-        q = (cur[:, :, None] >> shifts[None, None, :]) & 0xF
-        codes = tl.reshape((q | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC, (BLOCK_N, BLOCK_K // GROUP, GROUP))
-        w = tl.reshape(codes * cur_s[:, :, None] + cur_mn[:, :, None], (BLOCK_N, BLOCK_K)).to(dt)
-        if IEEE:
-            acc = tl.dot(w, xt, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, xt, acc)
-    part = part_ptr + pid_s * M * N + offs_m[None, :] * N + rows[:, None]
-    tl.store(part, acc, mask=row_mask[:, None] & m_mask[None, :])
+        w = _dequant_code_tile(cur, cur_s, cur_mn, GROUP, BLOCK_N, BLOCK_K).to(dt)
+        acc = _dot_into(w, xt, acc, IEEE)
+    _store_partial(part_ptr, acc, M, N, rows, row_mask, offs_m, m_mask)
 
 
 @triton.jit
@@ -520,20 +538,8 @@ def _gemm_blocked_int4_kernel(
     back in column order in registers (nibble j of word i of a block is its column (BLOCK / 8) j + i), where
     it stays as the MMA's A operand. With NORM the gain multiplies the weight's columns; 1 / rms is
     applied in the epilogue."""
-    pid_n = tl.program_id(0)
-    pid_s = tl.program_id(1)
-    pid_m = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    k_begin = pid_s * k_per_split
-    k_end = tl.minimum(K, k_begin + k_per_split)
-    WORDS: tl.constexpr = BLOCK // 8
+    rows, row_mask, offs_m, m_mask, k_begin, k_end = _split_program(N, M, K, k_per_split, BLOCK_N, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    offs_w = tl.arange(0, BLOCK_K // 8)
-    offs_g = tl.arange(0, BLOCK_K // GROUP)
-    shifts = tl.arange(0, 8) * 4
     dt = x_ptr.dtype.element_ty
     _wait_for_previous_kernel(PDL)
     acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
@@ -541,26 +547,17 @@ def _gemm_blocked_int4_kernel(
         cols = k0 + offs_k
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + cols[:, None],
                      mask=m_mask[None, :] & (cols < k_end)[:, None], other=0.0)  # fmt: skip
-        w_cols = k0 // 8 + offs_w
-        words = tl.load(w_ptr + rows[:, None] * stride_w + w_cols[None, :],
-                        mask=row_mask[:, None] & (w_cols < k_end // 8)[None, :], other=0)  # fmt: skip
-        groups = k0 // GROUP + offs_g
-        g_mask = row_mask[:, None] & (groups < k_end // GROUP)[None, :]
-        s = tl.load(s_ptr + rows[:, None] * stride_g + groups[None, :], mask=g_mask, other=0.0).to(tl.float32)
-        mn = tl.load(m_ptr + rows[:, None] * stride_g + groups[None, :], mask=g_mask, other=0.0).to(tl.float32)
-        q = (words[:, :, None] >> shifts[None, None, :]) & 0xF
-        codes = tl.reshape((q | _MAGIC_BITS).to(tl.float32, bitcast=True) - _MAGIC, (BLOCK_N, BLOCK_K // GROUP, GROUP))
-        w = tl.reshape(codes * s[:, :, None] + mn[:, :, None], (BLOCK_N, BLOCK_K // BLOCK, WORDS, 8))
+        words, s, mn = _load_code_tile(w_ptr, s_ptr, m_ptr, rows, row_mask, k0, k_end, stride_w, stride_g, GROUP,
+                                       BLOCK_K)  # fmt: skip
+        w = tl.reshape(
+            _dequant_code_tile(words, s, mn, GROUP, BLOCK_N, BLOCK_K), (BLOCK_N, BLOCK_K // BLOCK, BLOCK // 8, 8)
+        )
         w = tl.reshape(tl.permute(w, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
         if NORM:
             gain = tl.load(nw_ptr + cols, mask=cols < k_end, other=0.0).to(dt).to(tl.float32)
             w = w * gain[None, :]
-        if IEEE:
-            acc = tl.dot(w.to(dt), xt, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w.to(dt), xt, acc)
-    part = part_ptr + pid_s * M * N + offs_m[None, :] * N + rows[:, None]
-    tl.store(part, acc, mask=row_mask[:, None] & m_mask[None, :])
+        acc = _dot_into(w.to(dt), xt, acc, IEEE)
+    _store_partial(part_ptr, acc, M, N, rows, row_mask, offs_m, m_mask)
 
 
 @triton.jit
