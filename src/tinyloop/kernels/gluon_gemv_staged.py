@@ -85,6 +85,48 @@ def staged_plan(n: int, k: int, act: int, sms: int, scale_bytes: int = 2) -> Sta
 
 
 @_jit
+def _stage_weights(w_desc, s_desc, m_desc, row0, N, BN: gl.constexpr, TILES: gl.constexpr, KCH: gl.constexpr,
+                   HALVES: gl.constexpr, PDL: gl.constexpr):  # fmt: skip
+    """Asks the TMA unit for a program's whole weight slice: TILES tiles of BN rows from row0 (and, with
+    HALVES 2, the SwiGLU up half N rows further down) x KCH boxes of CHUNK_BLOCKS blocks, box (h TILES + t)
+    KCH + c of the returned words / scales / minimums, tile t signalling barrier t. Then the PDL wait: the
+    weights never depend on an earlier kernel, so they are all in flight before it."""
+    BOXES: gl.constexpr = HALVES * TILES * KCH
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [BOXES, BN, _CHUNK, 8], w_desc.layout)
+    s_smem = gl.allocate_shared_memory(s_desc.dtype, [BOXES, BN, _CHUNK], s_desc.layout)
+    m_smem = gl.allocate_shared_memory(m_desc.dtype, [BOXES, BN, _CHUNK], m_desc.layout)
+    # One barrier per tile, so that the first tile's arithmetic starts while later tiles are still arriving.
+    bars = gl.allocate_shared_memory(gl.int64, [TILES, 1], mbarrier.MBarrierLayout())
+    for t in gl.static_range(TILES):
+        mbarrier.init(bars.index(t), count=1)
+    fence_async_shared()
+    box_bytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + m_desc.block_type.nbytes
+    for t in gl.static_range(TILES):
+        mbarrier.expect(bars.index(t), HALVES * KCH * box_bytes)
+        for h in gl.static_range(HALVES):
+            for c in gl.static_range(KCH):
+                i = (h * TILES + t) * KCH + c
+                r = row0 + t * BN + h * N
+                tma.async_copy_global_to_shared(w_desc, [r, c * _CHUNK, 0], bars.index(t), w_smem.index(i))
+                tma.async_copy_global_to_shared(s_desc, [r, c * _CHUNK], bars.index(t), s_smem.index(i))
+                tma.async_copy_global_to_shared(m_desc, [r, c * _CHUNK], bars.index(t), m_smem.index(i))
+    if PDL == 2:  # the next kernel may start now and stage its own weights
+        _launch_dependents()
+        _wait_for_previous_kernel()
+    elif PDL:
+        _wait_for_previous_kernel()
+        _launch_dependents()
+    return w_smem, s_smem, m_smem, bars
+
+
+@_jit
+def _release(bars, TILES: gl.constexpr):
+    """The tiles' barriers, invalidated at the program's end."""
+    for t in gl.static_range(TILES):
+        mbarrier.invalidate(bars.index(t))
+
+
+@_jit
 def _gemv_int4_staged_kernel(
     x_ptr,
     w_desc,
@@ -120,33 +162,9 @@ def _gemv_int4_staged_kernel(
     XS: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 16, 2], [WR, 1, 1], [2, 1, 0])
     BN: gl.constexpr = R * WR
     HALVES: gl.constexpr = 2 if ACT == 1 else 1
-    BOXES: gl.constexpr = HALVES * TILES * KCH
     row0 = gl.program_id(0) * (TILES * BN)
 
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [BOXES, BN, _CHUNK, 8], w_desc.layout)
-    s_smem = gl.allocate_shared_memory(s_desc.dtype, [BOXES, BN, _CHUNK], s_desc.layout)
-    m_smem = gl.allocate_shared_memory(m_desc.dtype, [BOXES, BN, _CHUNK], m_desc.layout)
-    # One barrier per tile, so that the first tile's arithmetic starts while later tiles are still arriving.
-    bars = gl.allocate_shared_memory(gl.int64, [TILES, 1], mbarrier.MBarrierLayout())
-    for t in gl.static_range(TILES):
-        mbarrier.init(bars.index(t), count=1)
-    fence_async_shared()
-    box_bytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + m_desc.block_type.nbytes
-    for t in gl.static_range(TILES):
-        mbarrier.expect(bars.index(t), HALVES * KCH * box_bytes)
-        for h in gl.static_range(HALVES):
-            for c in gl.static_range(KCH):
-                i = (h * TILES + t) * KCH + c
-                r = row0 + t * BN + h * N
-                tma.async_copy_global_to_shared(w_desc, [r, c * _CHUNK, 0], bars.index(t), w_smem.index(i))
-                tma.async_copy_global_to_shared(s_desc, [r, c * _CHUNK], bars.index(t), s_smem.index(i))
-                tma.async_copy_global_to_shared(m_desc, [r, c * _CHUNK], bars.index(t), m_smem.index(i))
-    if PDL == 2:  # the next kernel may start now and stage its own weights
-        _launch_dependents()
-        _wait_for_previous_kernel()
-    elif PDL:
-        _wait_for_previous_kernel()
-        _launch_dependents()
+    w_smem, s_smem, m_smem, bars = _stage_weights(w_desc, s_desc, m_desc, row0, N, BN, TILES, KCH, HALVES, PDL)
 
     # x (times the norm's gain) and its per-block sums, once per program; the norm's 1 / rms scales y at the end.
     plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
@@ -209,5 +227,4 @@ def _gemv_int4_staged_kernel(
         y = gl.sum(acc, axis=1) * rstd
         y_up = gl.sum(acc_up, axis=1) * rstd
         _store_rows(y, y_up, rows, N, out_ptr, bias, res, BIAS, ACT, RESIDUAL)
-    for t in gl.static_range(TILES):
-        mbarrier.invalidate(bars.index(t))
+    _release(bars, TILES)

@@ -19,16 +19,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tinyloop.kernels.gluon_gemv import _jit, _launch_dependents, _load_bias_residual, _store_rows, gl
-from tinyloop.kernels.gluon_gemv import _wait_for_previous_kernel as _wait
+from tinyloop.kernels.gluon_gemv import _jit, _load_bias_residual, _store_rows, gl
+from tinyloop.kernels.gluon_gemv_staged import _release, _stage_weights
 
 try:  # Gluon is experimental: these modules move between Triton releases
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
     _IMPORT_ERROR: str | None = None
 except Exception as exc:  # pragma: no cover - depends on the installed Triton
-    mma_v2 = fence_async_shared = mbarrier = tma = None
+    mma_v2 = mbarrier = tma = None
     _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
 
 # 64-column blocks per mma step (the mma's 8 columns); K must be a whole number of steps.
@@ -162,29 +162,7 @@ def _gemv_int4_staged_mma_kernel(
     dt = x_ptr.dtype.element_ty
     row0 = gl.program_id(0) * (TILES * 16)
 
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [BOXES, 16, 32, 8], w_desc.layout)
-    s_smem = gl.allocate_shared_memory(s_desc.dtype, [BOXES, 16, 32], s_desc.layout)
-    m_smem = gl.allocate_shared_memory(m_desc.dtype, [BOXES, 16, 32], m_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [TILES, 1], mbarrier.MBarrierLayout())
-    for t in gl.static_range(TILES):
-        mbarrier.init(bars.index(t), count=1)
-    fence_async_shared()
-    box_bytes: gl.constexpr = w_desc.block_type.nbytes + s_desc.block_type.nbytes + m_desc.block_type.nbytes
-    for t in gl.static_range(TILES):
-        mbarrier.expect(bars.index(t), HALVES * KCH * box_bytes)
-        for h in gl.static_range(HALVES):
-            for c in gl.static_range(KCH):
-                i = (h * TILES + t) * KCH + c
-                r = row0 + t * 16 + h * N
-                tma.async_copy_global_to_shared(w_desc, [r, c * 32, 0], bars.index(t), w_smem.index(i))
-                tma.async_copy_global_to_shared(s_desc, [r, c * 32], bars.index(t), s_smem.index(i))
-                tma.async_copy_global_to_shared(m_desc, [r, c * 32], bars.index(t), m_smem.index(i))
-    if PDL == 2:
-        _launch_dependents()
-        _wait()
-    elif PDL:
-        _wait()
-        _launch_dependents()
+    w_smem, s_smem, m_smem, bars = _stage_weights(w_desc, s_desc, m_desc, row0, N, 16, TILES, KCH, HALVES, PDL)
 
     # x (times the norm's gain), rounded to 16 bits, in the B operand's order, and its per-block sums, once
     # per program, all groups in one batch of loads: x_smem[g, c, k] = x[(8 g + c) 64 + column(k)], column(k)
@@ -259,5 +237,4 @@ def _gemv_int4_staged_mma_kernel(
         out = gl.convert_layout(out, RL)
         out_up = gl.convert_layout(out_up, RL)
         _store_rows(out, out_up, rows, N, out_ptr, bias, res, BIAS, ACT, RESIDUAL)
-    for t in gl.static_range(TILES):
-        mbarrier.invalidate(bars.index(t))
+    _release(bars, TILES)
