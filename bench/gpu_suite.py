@@ -922,6 +922,54 @@ def pdl_early_section() -> dict[str, Any]:
     return res
 
 
+def _tile_sweep(
+    label: str,
+    x: torch.Tensor,
+    ws: list[BlockedInt4Weight],
+    act: int,
+    candidates: list[tuple],
+    configs: dict,
+    key: tuple[int, int, int],
+    baseline: tuple[str, Callable[[], dict[str, float]]],
+) -> dict[str, Any]:
+    """Each candidate tile (set as configs[key]) timed over the weight copies, then the baseline (its name and
+    a timer that switches the kernel off itself); the fastest tile stays in configs. Returns the best tile,
+    its µs, the baseline's µs and every timing (with TFLOP/s)."""
+    table: dict[str, Any] = {}
+    for cfg in candidates:
+        configs[key] = cfg
+        try:
+            table[str(cfg)] = time_cycling(x, ws, act)
+        except Exception as exc:
+            table[str(cfg)] = {"error": str(exc)[:200]}
+    base_name, base_timer = baseline
+    table[base_name] = base_timer()
+    flops = 2 * x.shape[0] * x.shape[1] * ws[0].shape[0]
+    for v in table.values():
+        if "us" in v:
+            v["TFLOPs"] = flops / v["us"] / 1e6
+    ok = {c: v for c, v in table.items() if "us" in v and c.startswith("(")}
+    win = min(ok, key=lambda c: ok[c]["us"]) if ok else None
+    if win is not None:
+        configs[key] = tuple(int(v) for v in win.strip("()").split(","))
+    print(label, win, round(ok[win]["us"], 2) if win else None, "cublas", round(table[base_name]["us"], 2),
+          flush=True)  # fmt: skip
+    return {"best": win, "best_us": ok[win]["us"] if win else None, "cublas_us": table[base_name]["us"],
+            "all": table}  # fmt: skip
+
+
+def _rows_limit(res: dict[str, Any], rows_list: tuple[int, ...], shapes: Any, floor: int) -> int:
+    """The largest row count up to which the swept kernel beats its baseline, summed over the shapes, at every
+    smaller row count too (`floor` where it never does)."""
+    limit = floor
+    for rows in rows_list:
+        mine = sum(res[f"{nm} rows={rows}"]["best_us"] or 1e9 for nm in shapes)
+        if mine >= sum(res[f"{nm} rows={rows}"]["cublas_us"] for nm in shapes):
+            break
+        limit = rows
+    return limit
+
+
 GEMM_ROWS = (5, 8, 16, 32, 64)
 
 
@@ -943,42 +991,24 @@ def gemm_section() -> dict[str, Any]:
     old_max = cuda_ops.BLOCKED_GEMM_MAX_ROWS
     for name, (n, k, act) in SEED_SHAPES.items():
         ws = random_int4_copies(2 * n if act == 1 else n, k, gen)
-        flops_per_row = 2 * k * (2 * n if act == 1 else n)
         for rows in GEMM_ROWS:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            table: dict[str, Any] = {}
+
+            def dequant_cublas(x: torch.Tensor = x, ws: list = ws, act: int = act) -> dict[str, float]:
+                cuda_ops.BLOCKED_GEMM_MAX_ROWS = cuda_ops.MATVEC_MAX_ROWS
+                return time_cycling(x, ws, act)
+
             cuda_ops.BLOCKED_GEMM_MAX_ROWS = 10**9
-            for cfg in _gemm_candidates(rows):
-                cuda_ops.GEMM_CONFIGS[(n, k, rows)] = cfg
-                try:
-                    table[str(cfg)] = time_cycling(x, ws, act)
-                except Exception as exc:
-                    table[str(cfg)] = {"error": str(exc)[:200]}
-            cuda_ops.BLOCKED_GEMM_MAX_ROWS = cuda_ops.MATVEC_MAX_ROWS
-            table["dequant+cublas"] = time_cycling(x, ws, act)
+            res[f"{name} rows={rows}"] = _tile_sweep(f"{name} {rows}", x, ws, act, _gemm_candidates(rows),
+                                                     cuda_ops.GEMM_CONFIGS, (n, k, rows),
+                                                     ("dequant+cublas", dequant_cublas))  # fmt: skip
             cuda_ops.BLOCKED_GEMM_MAX_ROWS = old_max
-            for v in table.values():
-                if "us" in v:
-                    v["TFLOPs"] = flops_per_row * rows / v["us"] / 1e6
-            ok = {c: v for c, v in table.items() if "us" in v and c.startswith("(")}
-            win = min(ok, key=lambda c: ok[c]["us"]) if ok else None
-            if win is not None:
-                cuda_ops.GEMM_CONFIGS[(n, k, rows)] = tuple(int(v) for v in win.strip("()").split(","))  # type: ignore[assignment]
-            res[f"{name} rows={rows}"] = {"best": win, "best_us": ok[win]["us"] if win else None,
-                                          "cublas_us": table["dequant+cublas"]["us"], "all": table}  # fmt: skip
-            print(name, rows, win, round(ok[win]["us"], 2) if win else None, "cublas",
-                  round(table["dequant+cublas"]["us"], 2), flush=True)  # fmt: skip
         del ws
         torch.cuda.empty_cache()
     res["chosen_gemm"] = {str(k): v for k, v in cuda_ops.GEMM_CONFIGS.items()}
     # Later sections: the tensor-core kernel up to the largest row count where it beats dequantize + cuBLAS
     # summed over the shapes (and at every smaller row count).
-    limit = cuda_ops.MATVEC_MAX_ROWS
-    for rows in GEMM_ROWS:
-        mine = sum(res[f"{nm} rows={rows}"]["best_us"] or 1e9 for nm in SEED_SHAPES)
-        if mine >= sum(res[f"{nm} rows={rows}"]["cublas_us"] for nm in SEED_SHAPES):
-            break
-        limit = rows
+    limit = _rows_limit(res, GEMM_ROWS, SEED_SHAPES, cuda_ops.MATVEC_MAX_ROWS)
     cuda_ops.BLOCKED_GEMM_MAX_ROWS = res["chosen_max_rows"] = limit
     print("BLOCKED_GEMM_MAX_ROWS", limit, flush=True)
     return res
@@ -1040,42 +1070,24 @@ def int4_gemm_section() -> dict[str, Any]:
     for name in INT4_GEMM_SHAPES:
         n, k, act = SEED_SHAPES[name]
         ws = random_int4_copies(2 * n if act == 1 else n, k, gen)
-        flops_per_row = 2 * k * (2 * n if act == 1 else n)
         for rows in INT4_GEMM_ROWS:
             x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-            table: dict[str, Any] = {}
+
+            def cublas_on_dense(x: torch.Tensor = x, ws: list = ws, act: int = act) -> dict[str, float]:
+                cuda_ops.INT4_GEMM_MAX_ROWS = 0
+                with cuda_ops.dense_weights_reused(ws):
+                    for w in ws:  # dequantized before the graph, as a prefill's first loop does
+                        cuda_ops.fused_linear(x, w, act=act)
+                    return time_cycling(x, ws, act)
+
             cuda_ops.INT4_GEMM_MAX_ROWS = 4096
-            for cfg in _int4_gemm_candidates(rows):
-                cuda_ops.INT4_GEMM_CONFIGS[(n, k, rows)] = cfg
-                try:
-                    table[str(cfg)] = time_cycling(x, ws, act)
-                except Exception as exc:
-                    table[str(cfg)] = {"error": str(exc)[:200]}
-            cuda_ops.INT4_GEMM_MAX_ROWS = 0
-            with cuda_ops.dense_weights_reused(ws):
-                for w in ws:  # dequantized before the graph, as a prefill's first loop does
-                    cuda_ops.fused_linear(x, w, act=act)
-                table["cublas_on_dense"] = time_cycling(x, ws, act)
-            for v in table.values():
-                if "us" in v:
-                    v["TFLOPs"] = flops_per_row * rows / v["us"] / 1e6
-            ok = {c: v for c, v in table.items() if "us" in v and c.startswith("(")}
-            win = min(ok, key=lambda c: ok[c]["us"]) if ok else None
-            if win is not None:
-                cuda_ops.INT4_GEMM_CONFIGS[(n, k, rows)] = tuple(int(v) for v in win.strip("()").split(","))  # type: ignore[assignment]
-            res[f"{name} rows={rows}"] = {"best": win, "best_us": ok[win]["us"] if win else None,
-                                          "cublas_us": table["cublas_on_dense"]["us"], "all": table}  # fmt: skip
-            print(name, rows, win, round(ok[win]["us"], 2) if win else None, "cublas",
-                  round(table["cublas_on_dense"]["us"], 2), flush=True)  # fmt: skip
+            res[f"{name} rows={rows}"] = _tile_sweep(f"{name} {rows}", x, ws, act, _int4_gemm_candidates(rows),
+                                                     cuda_ops.INT4_GEMM_CONFIGS, (n, k, rows),
+                                                     ("cublas_on_dense", cublas_on_dense))  # fmt: skip
         del ws
         torch.cuda.empty_cache()
     res["chosen"] = {str(k): v for k, v in cuda_ops.INT4_GEMM_CONFIGS.items()}
-    limit = 0
-    for rows in INT4_GEMM_ROWS:
-        mine = sum(res[f"{nm} rows={rows}"]["best_us"] or 1e9 for nm in INT4_GEMM_SHAPES)
-        if mine >= sum(res[f"{nm} rows={rows}"]["cublas_us"] for nm in INT4_GEMM_SHAPES):
-            break
-        limit = rows
+    limit = _rows_limit(res, INT4_GEMM_ROWS, INT4_GEMM_SHAPES, 0)
     res["limit_alone"] = limit
     # End to end: seed-407m score_last at PREFILL_ROWS tokens, loops 8, fresh models alternated.
     wait_for_models(SEED_PATH)
