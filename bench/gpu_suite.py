@@ -519,17 +519,33 @@ def _one_row_checks(settings: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
 
 # cuda_ops.STAGED_LAYOUT candidates (rows per thread, warps, register cap), the default first
 STAGED_LAYOUTS = [(2, 8, 0), (1, 16, 0), (1, 16, 64)]
+# One staged-GEMV call (every shape staged; STAGED_MMA from argv[1]) and its error against float64.
 STAGED_SMOKE = """
-import torch
+import sys, torch
 from tinyloop.kernels import cuda_ops
 from tinyloop.kernels.cuda_backend import pdl_supported, staged_supported
 from tinyloop.quant import BlockedInt4Weight, quantize_int4
 cuda_ops.USE_PDL, cuda_ops.USE_STAGED_GEMV = pdl_supported(), staged_supported()
-w = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(2048, 2048) / 45, 64)).to("cuda")
-y = cuda_ops.fused_linear(torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16), w)
+cuda_ops.STAGED_MMA, cuda_ops.STAGED_SHAPES = sys.argv[1] == "1", None
+q = quantize_int4(torch.randn(2048, 2048) / 45, 64)
+x = torch.randn(1, 2048).bfloat16()
+y = cuda_ops.fused_linear(x.cuda(), BlockedInt4Weight.from_int4(q).to("cuda"))
 torch.cuda.synchronize()
-print("staged smoke ok", cuda_ops.USE_STAGED_GEMV, float(y.float().norm()))
+ref = x.double() @ q.dequantize().double().T
+print("staged smoke ok", cuda_ops.USE_STAGED_GEMV, float((y.double().cpu() - ref).norm() / ref.norm()))
 """
+
+
+def _staged_smoke(mma: bool) -> dict[str, Any]:
+    """STAGED_SMOKE in a child process (a wrong barrier count would hang, not fail): its exit status and output."""
+    try:
+        run = subprocess.run([sys.executable, "-c", STAGED_SMOKE, "1" if mma else "0"], capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        out = {"rc": run.returncode, "out": run.stdout[-500:], "err": run.stderr[-3000:]}
+    except subprocess.TimeoutExpired:
+        out = {"rc": "timeout"}
+    print("staged smoke", "mma" if mma else "cuda cores", out, flush=True)
+    return out
 
 
 def staged_section() -> dict[str, Any]:
@@ -543,12 +559,7 @@ def staged_section() -> dict[str, Any]:
     res: dict[str, Any] = {"supported": staged_supported()}
     if not res["supported"]:
         return res
-    try:
-        smoke = subprocess.run([sys.executable, "-c", STAGED_SMOKE], capture_output=True, text=True, timeout=120)
-        res["smoke"] = {"rc": smoke.returncode, "out": smoke.stdout[-500:], "err": smoke.stderr[-3000:]}
-    except subprocess.TimeoutExpired:
-        res["smoke"] = {"rc": "timeout"}
-    print("staged smoke", res["smoke"], flush=True)
+    res["smoke"] = _staged_smoke(mma=False)
     if res["smoke"]["rc"] != 0:
         return res
     on: dict[str, Any] = {"USE_STAGED_GEMV": True, "USE_GLUON_GEMV": True}
@@ -590,22 +601,6 @@ def staged_section() -> dict[str, Any]:
     return res
 
 
-STAGED_MMA_SMOKE = """
-import torch
-from tinyloop.kernels import cuda_ops
-from tinyloop.kernels.cuda_backend import pdl_supported, staged_supported
-from tinyloop.quant import BlockedInt4Weight, quantize_int4
-cuda_ops.USE_PDL, cuda_ops.USE_STAGED_GEMV = pdl_supported(), staged_supported()
-cuda_ops.STAGED_MMA, cuda_ops.STAGED_SHAPES = True, None
-q = quantize_int4(torch.randn(2048, 2048) / 45, 64)
-x = torch.randn(1, 2048).bfloat16()
-y = cuda_ops.fused_linear(x.cuda(), BlockedInt4Weight.from_int4(q).to("cuda"))
-torch.cuda.synchronize()
-ref = x.double() @ q.dequantize().double().T
-print("staged mma smoke ok", cuda_ops.USE_STAGED_GEMV, float((y.double().cpu() - ref).norm() / ref.norm()))
-"""
-
-
 def staged_mma_section() -> dict[str, Any]:
     """The staged GEMV on tensor cores (cuda_ops.STAGED_MMA, kernels/gluon_gemv_staged_mma.py): one call in a
     child process first (a wrong barrier count would hang), then against float64 and the CUDA-core staged and
@@ -618,12 +613,7 @@ def staged_mma_section() -> dict[str, Any]:
     res: dict[str, Any] = {"supported": staged_supported()}
     if not res["supported"]:
         return res
-    try:
-        smoke = subprocess.run([sys.executable, "-c", STAGED_MMA_SMOKE], capture_output=True, text=True, timeout=120)
-        res["smoke"] = {"rc": smoke.returncode, "out": smoke.stdout[-500:], "err": smoke.stderr[-3000:]}
-    except subprocess.TimeoutExpired:
-        res["smoke"] = {"rc": "timeout"}
-    print("staged mma smoke", res["smoke"], flush=True)
+    res["smoke"] = _staged_smoke(mma=True)
     if res["smoke"]["rc"] != 0:
         return res
     committed: dict[str, Any] = {"USE_STAGED_GEMV": True, "USE_GLUON_GEMV": True, "STAGED_MMA": False,

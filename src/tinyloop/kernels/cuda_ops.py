@@ -457,11 +457,11 @@ def _splitk_linear(
     if pipelined:
         block_n, block_m, block_k, warps, stages, splits = _int4_gemm_config(N, K, M)
     else:
-        (block_n, block_m, block_k, warps), stages, splits = _gemm_config(N, K, M), 0, 0
+        block_n, block_m, block_k, warps = _gemm_config(N, K, M)
     block_k = max(block_k, w.group_size)
     n_tiles, m_tiles, k_tiles = triton.cdiv(n_total, block_n), triton.cdiv(M, block_m), triton.cdiv(K, block_k)
     if not pipelined:
-        splits = max(1, SPLITK_PROGRAMS // (n_tiles * m_tiles))
+        stages, splits = 0, max(1, SPLITK_PROGRAMS // (n_tiles * m_tiles))
     k_per_split = triton.cdiv(k_tiles, min(k_tiles, splits)) * block_k
     splits = triton.cdiv(K, k_per_split)
     part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
