@@ -18,7 +18,7 @@ from tinyloop.quant import BlockedInt4Weight
 def main() -> None:
     cuda_ops.USE_GLUON_GEMV = "--triton" not in sys.argv and gluon_supported()
     cuda_ops.USE_STAGED_GEMV = "--staged" in sys.argv and staged_supported()
-    cuda_ops.STAGED_MMA = "--mma" in sys.argv
+    cuda_ops.STAGED_MMA_SHAPES = None if "--mma" in sys.argv else frozenset()
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n_rows, act in ((6144, cuda_ops.ACT_NONE), (2 * 5632, cuda_ops.ACT_SWIGLU)):
         k = 2048

@@ -519,14 +519,15 @@ def _one_row_checks(settings: dict[str, dict[str, Any]]) -> dict[str, dict[str, 
 
 # cuda_ops.STAGED_LAYOUT candidates (rows per thread, warps, register cap), the default first
 STAGED_LAYOUTS = [(2, 8, 0), (1, 16, 0), (1, 16, 64)]
-# One staged-GEMV call (every shape staged; STAGED_MMA from argv[1]) and its error against float64.
+# One staged-GEMV call (every shape staged, on tensor cores if argv[1] is "1") and its error against float64.
 STAGED_SMOKE = """
 import sys, torch
 from tinyloop.kernels import cuda_ops
 from tinyloop.kernels.cuda_backend import pdl_supported, staged_supported
 from tinyloop.quant import BlockedInt4Weight, quantize_int4
 cuda_ops.USE_PDL, cuda_ops.USE_STAGED_GEMV = pdl_supported(), staged_supported()
-cuda_ops.STAGED_MMA, cuda_ops.STAGED_SHAPES = sys.argv[1] == "1", None
+cuda_ops.STAGED_MMA_SHAPES = None if sys.argv[1] == "1" else frozenset()
+cuda_ops.STAGED_SHAPES = None
 q = quantize_int4(torch.randn(2048, 2048) / 45, 64)
 x = torch.randn(1, 2048).bfloat16()
 y = cuda_ops.fused_linear(x.cuda(), BlockedInt4Weight.from_int4(q).to("cuda"))
@@ -601,12 +602,24 @@ def staged_section() -> dict[str, Any]:
     return res
 
 
+QKV_SHAPE, GATE_UP_SHAPE = (6144, 2048, 0), (5632, 2048, 1)
+
+
+def _timeline_by_kernel(timeline: dict[str, Any]) -> dict[str, list[float]]:
+    """A step timeline's kernels grouped by name: [launches, mean µs]."""
+    groups: dict[str, list[float]] = {}
+    for name, us, _gap in timeline["step"]:
+        groups.setdefault(name, []).append(us)
+    return {name: [len(v), round(statistics.mean(v), 2)] for name, v in groups.items()}
+
+
 def staged_mma_section() -> dict[str, Any]:
-    """The staged GEMV on tensor cores (cuda_ops.STAGED_MMA, kernels/gluon_gemv_staged_mma.py): one call in a
-    child process first (a wrong barrier count would hang), then against float64 and the CUDA-core staged and
-    Gluon GEMVs; alone per seed-407m shape; in the chain: 64 raw decode steps of one seed-407m model (graphs
-    re-captured) per policy, alternated twice, and the fastest policy's greedy tokens against the committed
-    setting's on fresh models. The fastest applies to later sections where its tokens agree."""
+    """The staged GEMV on tensor cores (cuda_ops.STAGED_MMA_SHAPES, kernels/gluon_gemv_staged_mma.py): one call
+    in a child process first (a wrong barrier count would hang), then against float64 and the CUDA-core staged
+    and Gluon GEMVs; alone per seed-407m shape; in the chain: 64 raw decode steps of one seed-407m model (graphs
+    re-captured) per policy, alternated twice; one step's kernels (PDL on) per policy, grouped by kernel; and the
+    fastest policy's greedy tokens against the committed setting's on fresh models. The fastest applies to later
+    sections where its tokens agree."""
     from tinyloop.kernels.cuda_backend import pdl_supported, staged_supported
 
     cuda_ops.USE_PDL = pdl_supported()
@@ -616,11 +629,12 @@ def staged_mma_section() -> dict[str, Any]:
     res["smoke"] = _staged_smoke(mma=True)
     if res["smoke"]["rc"] != 0:
         return res
-    committed: dict[str, Any] = {"USE_STAGED_GEMV": True, "USE_GLUON_GEMV": True, "STAGED_MMA": False,
+    committed: dict[str, Any] = {"USE_STAGED_GEMV": True, "USE_GLUON_GEMV": True,
+                                 "STAGED_MMA_SHAPES": cuda_ops.STAGED_MMA_SHAPES,
                                  "STAGED_SHAPES": cuda_ops.STAGED_SHAPES, "STAGED_MMA_PROGRAMS_PER_SM": 1}  # fmt: skip
-    mma_all = {**committed, "STAGED_MMA": True, "STAGED_SHAPES": None}
+    mma_all = {**committed, "STAGED_MMA_SHAPES": None, "STAGED_SHAPES": None}
     settings = {"mma": mma_all, "mma 3 per SM": {**mma_all, "STAGED_MMA_PROGRAMS_PER_SM": 3},
-                "staged": {**committed, "STAGED_SHAPES": None},
+                "staged": {**committed, "STAGED_MMA_SHAPES": frozenset(), "STAGED_SHAPES": None},
                 "gluon": {**committed, "USE_STAGED_GEMV": False}}  # fmt: skip
     res["checks"] = _one_row_checks(settings)
     res["alone"] = {}
@@ -636,10 +650,11 @@ def staged_mma_section() -> dict[str, Any]:
         print("staged mma alone", name, {c: round(v["us"], 2) for c, v in res["alone"][name].items()}, flush=True)
         del ws
         torch.cuda.empty_cache()
-    mma3 = {"STAGED_MMA_PROGRAMS_PER_SM": 3}
-    policies = {"committed": committed, "mma qkv+gate_up": {**committed, "STAGED_MMA": True},
-                "mma qkv+gate_up, 3 per SM": {**committed, "STAGED_MMA": True, **mma3},
-                "mma all, 3 per SM": {**mma_all, **mma3}}  # fmt: skip
+    staged = {**committed, "STAGED_SHAPES": frozenset({QKV_SHAPE, GATE_UP_SHAPE})}
+    policies = {"committed": committed, "cuda cores": {**staged, "STAGED_MMA_SHAPES": frozenset()},
+                "mma gate_up": {**staged, "STAGED_MMA_SHAPES": frozenset({GATE_UP_SHAPE})},
+                "mma qkv": {**staged, "STAGED_MMA_SHAPES": frozenset({QKV_SHAPE})},
+                "mma qkv+gate_up": {**staged, "STAGED_MMA_SHAPES": None}}  # fmt: skip
     wait_for_models(SEED_PATH)
     m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
     decode_ms = _recapturing_decode(m)
@@ -650,6 +665,12 @@ def staged_mma_section() -> dict[str, Any]:
             chain.setdefault(name, []).append(decode_ms())
     m.close()
     res["chain_ms"] = chain
+    print("staged mma chain", chain, flush=True)
+    res["timeline"] = {}
+    for name in ("cuda cores", "mma qkv+gate_up"):
+        _apply(policies[name])
+        res["timeline"][name] = _timeline_by_kernel(_step_timeline(True))
+        print("staged mma timeline", name, res["timeline"][name], flush=True)
     best = min(chain, key=lambda c: min(chain[c]))
     tokens = {}
     for name in dict.fromkeys(("committed", best)):
@@ -657,7 +678,7 @@ def staged_mma_section() -> dict[str, Any]:
         tokens[name] = _fresh_seed_decode()[1]
     res["best"], res["greedy_tokens_identical"] = best, tokens[best] == tokens["committed"]
     _apply(policies[best] if res["greedy_tokens_identical"] else committed)
-    print("staged mma chain", chain, best, res["greedy_tokens_identical"], flush=True)
+    print("staged mma best", best, res["greedy_tokens_identical"], flush=True)
     torch.cuda.empty_cache()
     return res
 

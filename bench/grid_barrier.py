@@ -11,6 +11,7 @@ timed. Prints microseconds per round for 1 and 2 programs per SM.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 
 import torch
@@ -89,7 +90,7 @@ def main() -> None:
         buf = torch.zeros(2 * P, dtype=torch.int32, device="cuda")
         err = torch.zeros(1, dtype=torch.int32, device="cuda")
         sync = torch.zeros(2, dtype=torch.int32, device="cuda")
-        us = _time(lambda: _persistent_kernel[(P,)](buf, err, sync, args.rounds, P, num_warps=4))
+        us = _time(functools.partial(_persistent_kernel[(P,)], buf, err, sync, args.rounds, P, num_warps=4))
         results[f"barrier_{per_sm}_per_sm_us"] = us / args.rounds
         results[f"barrier_{per_sm}_per_sm_errors"] = int(err.item())
         for pdl in (False, True):

@@ -73,11 +73,17 @@ class _Launch:
         return lambda *args, **kwargs: self.calls.append((self.name, {"grid": grid, **kwargs}))
 
 
-@pytest.mark.parametrize(("dtype", "mma_on", "expected"), [(torch.bfloat16, True, "mma"), (torch.float16, True, "mma"),
-                                                           (torch.float32, True, "cuda_cores"),
-                                                           (torch.bfloat16, False, "cuda_cores")])  # fmt: skip
-def test_staged_launcher_picks_the_tensor_core_kernel_for_16_bit_x(
-    dtype: torch.dtype, mma_on: bool, expected: str, monkeypatch: pytest.MonkeyPatch
+_THIS_SHAPE = frozenset({(512, 1536, 1)})
+_OTHER_SHAPE = frozenset({(512, 1536, 0)})  # same matrix without SwiGLU: a different shape
+
+
+@pytest.mark.parametrize(("dtype", "mma_shapes", "expected"), [
+    (torch.bfloat16, None, "mma"), (torch.float16, None, "mma"), (torch.bfloat16, _THIS_SHAPE, "mma"),
+    (torch.float32, None, "cuda_cores"), (torch.bfloat16, frozenset(), "cuda_cores"),
+    (torch.bfloat16, _OTHER_SHAPE, "cuda_cores"),
+])  # fmt: skip
+def test_staged_launcher_picks_the_tensor_core_kernel_for_16_bit_x_of_listed_shapes(
+    dtype: torch.dtype, mma_shapes: frozenset | None, expected: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("triton.experimental.gluon.nvidia.hopper")
     from tinyloop.kernels import gluon_gemv_staged
@@ -85,7 +91,7 @@ def test_staged_launcher_picks_the_tensor_core_kernel_for_16_bit_x(
     calls: list[tuple[str, dict[str, Any]]] = []
     monkeypatch.setattr(staged_mma, "_gemv_int4_staged_mma_kernel", _Launch("mma", calls))
     monkeypatch.setattr(gluon_gemv_staged, "_gemv_int4_staged_kernel", _Launch("cuda_cores", calls))
-    monkeypatch.setattr(cuda_ops, "STAGED_MMA", mma_on)
+    monkeypatch.setattr(cuda_ops, "STAGED_MMA_SHAPES", mma_shapes)
     monkeypatch.setattr(cuda_ops, "STAGED_SHAPES", None)
     monkeypatch.setattr(cuda_ops, "_sm_count", lambda index: 132)
     w = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(2 * 512, 1536), 64))

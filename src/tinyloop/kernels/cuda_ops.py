@@ -187,10 +187,11 @@ STAGED_SHAPES: frozenset[tuple[int, int, int]] | None = frozenset({(6144, 2048, 
 # (rows per thread, warps, register cap or 0) of the staged GEMV: rows per thread x warps = TILE_ROWS. The
 # cap matters where a program's registers would keep the next kernel's program off the SM.
 STAGED_LAYOUT = (2, 8, 0)
-# 16-bit x takes the staged GEMV's tensor-core variant (kernels/gluon_gemv_staged_mma.py) where its shape applies.
-# Off: on the H200 it lost in every version tried (session 10, docs/BENCHMARKS.md): QKV 6.4 against 4.6 µs alone,
-# and seed-407m's 64 raw decode steps took 88.4-89.6 ms with QKV and gate / up on it against 74.9-75.3.
-STAGED_MMA = False
+# The staged (N, K, act) shapes whose 16-bit x takes the staged GEMV's tensor-core variant
+# (kernels/gluon_gemv_staged_mma.py) where it applies; None: every staged shape, empty: none. None: on the H200
+# it lost in the decode chain in every version tried (docs/BENCHMARKS.md, sessions 10-11): session 10's QKV 6.4
+# against 4.6 µs alone, 64 raw decode steps 88.4-89.6 ms with QKV and gate / up on it against 74.9-75.3.
+STAGED_MMA_SHAPES: frozenset[tuple[int, int, int]] | None = frozenset()
 # Its programs per SM (its ~50 registers a thread leave room for more than the CUDA-core kernel's one program):
 # 3 took gate / up from 11.1 to 9.1 µs alone but did not move the chain.
 STAGED_MMA_PROGRAMS_PER_SM = 1
@@ -225,7 +226,8 @@ def _gemv_staged(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: 
     aligned = all(t.data_ptr() % 16 == 0 for t in (words, w.scale, w.minimum))
     if not (aligned and words.is_contiguous() and w.scale.is_contiguous() and w.minimum.is_contiguous()):
         return False
-    mma = STAGED_MMA and staged_mma.applies(N, K, x.element_size())
+    mma_shape = STAGED_MMA_SHAPES is None or (N, K, flags["ACT"]) in STAGED_MMA_SHAPES
+    mma = mma_shape and staged_mma.applies(N, K, x.element_size())
     slots = _sm_count(x.device.index or 0) * (STAGED_MMA_PROGRAMS_PER_SM if mma else 1)
     plan = staged_plan(N, K, flags["ACT"], slots, w.scale.element_size())
     if plan is None:

@@ -3,8 +3,8 @@
 Why: the staged GEMV fetches its weights before the PDL wait, so what is left after the wait is arithmetic,
 and on CUDA cores that is ~4.5 instructions per weight (ncu, session 9). Here one `lop3` turns two nibbles
 into two 16-bit floats (magic + q, exact) that are already a register of an `mma.sync` A operand, and the
-products run on tensor cores. ptxas counts ~2.3 instructions per weight; on an H200 it is still slower than the
-CUDA-core kernel, alone and in the decode chain (docs/BENCHMARKS.md, session 10), so cuda_ops.STAGED_MMA is off.
+products run on tensor cores. ptxas counts ~2.3 instructions per weight; on an H200 the decode chain is slower
+with it than with the CUDA-core kernel (docs/BENCHMARKS.md, sessions 10-11), so cuda_ops.STAGED_MMA_SHAPES is empty.
 
 A vector times a matrix uses one of the mma's 8 columns; the other 7 carry other K blocks instead. Warp w
 owns weight rows 2w and 2w + 1 of a 16-row tile; its mma rows are (row 2w + h, block 8g + r) for h < 2,
@@ -102,6 +102,27 @@ def _step_rows(view, i, q, SL3: gl.constexpr, ROWS: gl.constexpr):
     step = view.index(i).slice(q, 1, dim=1).load(SL3)  # [16 rows, 1, 8 blocks]
     flat = gl.convert_layout(gl.reshape(step, [16 * _WARPS]), ROWS, assert_trivial=True)
     return gl.expand_dims(flat.to(gl.float32), 1)
+
+
+@_jit
+def _group_operands(words_view, s_view, m_view, x_smem, xsum_smem, t, g, WL3: gl.constexpr, WL: gl.constexpr,
+                    SL3: gl.constexpr, ROWS: gl.constexpr, B_L: gl.constexpr, COLS: gl.constexpr, KCH: gl.constexpr,
+                    GROUPS: gl.constexpr, TILES: gl.constexpr, ACT: gl.constexpr):  # fmt: skip
+    """Step (tile t, group g)'s operands from shared memory: words, scales and minimums (and the SwiGLU up
+    half's, else the same again), x as the B operand and its per-block sums."""
+    i = t * KCH + g // 4
+    words = _step_words(words_view, i, g % 4, WL3, WL)
+    s = _step_rows(s_view, i, g % 4, SL3, ROWS)
+    mn = _step_rows(m_view, i, g % 4, SL3, ROWS)
+    words_up, s_up, mn_up = words, s, mn
+    if ACT == 1:
+        j = i + TILES * KCH
+        words_up = _step_words(words_view, j, g % 4, WL3, WL)
+        s_up = _step_rows(s_view, j, g % 4, SL3, ROWS)
+        mn_up = _step_rows(m_view, j, g % 4, SL3, ROWS)
+    xb = x_smem.index(g).permute([1, 0]).load(B_L)
+    xs = gl.expand_dims(xsum_smem.index(g).load(COLS), 0)
+    return words, s, mn, words_up, s_up, mn_up, xb, xs
 
 
 @_jit
@@ -208,33 +229,42 @@ def _gemv_int4_staged_mma_kernel(
     tile_rows = gl.expand_dims(gl.arange(0, _WARPS, layout=gl.SliceLayout(1, RL)) * 2, 1) + gl.expand_dims(
         gl.arange(0, 2, layout=gl.SliceLayout(0, RL)), 0
     )
-    for t in gl.static_range(TILES):
-        rows = row0 + t * 16 + tile_rows
-        # Fetched first, so that their latency hides behind the tile's arithmetic.
-        bias, res = _load_bias_residual(rows, N, b_ptr, res_ptr, BIAS, RESIDUAL)
-        y = zero
-        y_up = zero
-        mbarrier.wait(bars.index(t), 0)
-        for g in gl.static_range(GROUPS):  # unrolled: the groups' mma chains are independent
-            i = t * KCH + g // 4
-            xb = x_smem.index(g).permute([1, 0]).load(B_L)
-            xs = gl.expand_dims(xsum_smem.index(g).load(COLS), 0)
-            prod = mma_v2(_a_operand(_step_words(words_view, i, g % 4, WL3, WL), A_L, FP16), xb, zero)
-            s = _step_rows(s_view, i, g % 4, SL3, ROWS)
-            mn = _step_rows(m_view, i, g % 4, SL3, ROWS)
-            y += s * prod + (mn - s * MAGIC) * xs
-            if ACT == 1:
-                j = i + TILES * KCH
-                prod_up = mma_v2(_a_operand(_step_words(words_view, j, g % 4, WL3, WL), A_L, FP16), xb, zero)
-                s_up = _step_rows(s_view, j, g % 4, SL3, ROWS)
-                mn_up = _step_rows(m_view, j, g % 4, SL3, ROWS)
-                y_up += s_up * prod_up + (mn_up - s_up * MAGIC) * xs
-        # Keep mma row (h, r)'s column r, then add up the blocks: [warps, 2 (h), 8 (r), 8 (c)] -> [warps, 2].
-        out = gl.sum(gl.sum(gl.reshape(gl.where(keep, y, 0.0), [_WARPS, 2, 8, 8]), axis=3), axis=2) * rstd
-        out_up = out
+    # One flat loop over (tile, group) steps, each step's shared-memory operands loaded one step ahead, so
+    # that their latency hides behind the previous step's mma and scale arithmetic (with the loads next to
+    # their uses, ncu saw every warp stalled on them: 12 cycles per instruction at two warps per scheduler).
+    STEPS: gl.constexpr = TILES * GROUPS
+    mbarrier.wait(bars.index(0), 0)
+    nxt = _group_operands(words_view, s_view, m_view, x_smem, xsum_smem, 0, 0, WL3, WL, SL3, ROWS, B_L, COLS,
+                          KCH, GROUPS, TILES, ACT)  # fmt: skip
+    rows = row0 + tile_rows
+    bias, res = _load_bias_residual(rows, N, b_ptr, res_ptr, BIAS, RESIDUAL)
+    y = zero
+    y_up = zero
+    for step in gl.static_range(STEPS):
+        words, s, mn, words_up, s_up, mn_up, xb, xs = nxt
+        if step + 1 < STEPS:
+            if (step + 1) % GROUPS == 0:
+                mbarrier.wait(bars.index((step + 1) // GROUPS), 0)
+            nxt = _group_operands(words_view, s_view, m_view, x_smem, xsum_smem, (step + 1) // GROUPS,
+                                  (step + 1) % GROUPS, WL3, WL, SL3, ROWS, B_L, COLS, KCH, GROUPS, TILES,
+                                  ACT)  # fmt: skip
+        prod = mma_v2(_a_operand(words, A_L, FP16), xb, zero)
+        y += s * prod + (mn - s * MAGIC) * xs
         if ACT == 1:
-            out_up = gl.sum(gl.sum(gl.reshape(gl.where(keep, y_up, 0.0), [_WARPS, 2, 8, 8]), axis=3), axis=2) * rstd
-        out = gl.convert_layout(out, RL)
-        out_up = gl.convert_layout(out_up, RL)
-        _store_rows(out, out_up, rows, N, out_ptr, bias, res, BIAS, ACT, RESIDUAL)
+            prod_up = mma_v2(_a_operand(words_up, A_L, FP16), xb, zero)
+            y_up += s_up * prod_up + (mn_up - s_up * MAGIC) * xs
+        if step % GROUPS == GROUPS - 1:
+            # Keep mma row (h, r)'s column r, then add up the blocks: [warps, 2 (h), 8 (r), 8 (c)] -> [warps, 2].
+            out = gl.sum(gl.sum(gl.reshape(gl.where(keep, y, 0.0), [_WARPS, 2, 8, 8]), axis=3), axis=2) * rstd
+            out_up = out
+            if ACT == 1:
+                out_up = gl.sum(gl.sum(gl.reshape(gl.where(keep, y_up, 0.0), [_WARPS, 2, 8, 8]), axis=3), axis=2)
+                out_up = out_up * rstd
+            _store_rows(gl.convert_layout(out, RL), gl.convert_layout(out_up, RL), rows, N, out_ptr, bias, res,
+                        BIAS, ACT, RESIDUAL)  # fmt: skip
+            if step + 1 < STEPS:
+                rows = row0 + ((step + 1) // GROUPS) * 16 + tile_rows
+                bias, res = _load_bias_residual(rows, N, b_ptr, res_ptr, BIAS, RESIDUAL)
+                y = zero
+                y_up = zero
     _release(bars, TILES)
