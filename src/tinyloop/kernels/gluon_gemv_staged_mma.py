@@ -229,31 +229,54 @@ def _gemv_int4_staged_mma_kernel(
     tile_rows = gl.expand_dims(gl.arange(0, _WARPS, layout=gl.SliceLayout(1, RL)) * 2, 1) + gl.expand_dims(
         gl.arange(0, 2, layout=gl.SliceLayout(0, RL)), 0
     )
-    # One flat loop over (tile, group) steps, each step's shared-memory operands loaded one step ahead, so
-    # that their latency hides behind the previous step's mma and scale arithmetic (with the loads next to
-    # their uses, ncu saw every warp stalled on them: 12 cycles per instruction at two warps per scheduler).
-    STEPS: gl.constexpr = TILES * GROUPS
+    # One flat loop over steps of PAIR groups of a tile, each step's shared-memory operands loaded one step
+    # ahead, so that their latency hides behind the previous step's arithmetic, and the PAIR groups' mma chains
+    # independent of each other. ncu (session 11), with the loads next to their uses and one group per step:
+    # 12 cycles per instruction at two warps per scheduler, every warp waiting on a load or on its own mma.
+    PAIR: gl.constexpr = 2 if GROUPS % 2 == 0 else 1
+    SPT: gl.constexpr = GROUPS // PAIR
+    STEPS: gl.constexpr = TILES * SPT
     mbarrier.wait(bars.index(0), 0)
     nxt = _group_operands(words_view, s_view, m_view, x_smem, xsum_smem, 0, 0, WL3, WL, SL3, ROWS, B_L, COLS,
                           KCH, GROUPS, TILES, ACT)  # fmt: skip
+    nxt2 = nxt
+    if PAIR == 2:
+        nxt2 = _group_operands(words_view, s_view, m_view, x_smem, xsum_smem, 0, 1, WL3, WL, SL3, ROWS, B_L, COLS,
+                               KCH, GROUPS, TILES, ACT)  # fmt: skip
     rows = row0 + tile_rows
     bias, res = _load_bias_residual(rows, N, b_ptr, res_ptr, BIAS, RESIDUAL)
     y = zero
     y_up = zero
     for step in gl.static_range(STEPS):
         words, s, mn, words_up, s_up, mn_up, xb, xs = nxt
+        words2, s2, mn2, words_up2, s_up2, mn_up2, xb2, xs2 = nxt2
         if step + 1 < STEPS:
-            if (step + 1) % GROUPS == 0:
-                mbarrier.wait(bars.index((step + 1) // GROUPS), 0)
-            nxt = _group_operands(words_view, s_view, m_view, x_smem, xsum_smem, (step + 1) // GROUPS,
-                                  (step + 1) % GROUPS, WL3, WL, SL3, ROWS, B_L, COLS, KCH, GROUPS, TILES,
+            if (step + 1) % SPT == 0:
+                mbarrier.wait(bars.index((step + 1) // SPT), 0)
+            nxt = _group_operands(words_view, s_view, m_view, x_smem, xsum_smem, (step + 1) // SPT,
+                                  PAIR * ((step + 1) % SPT), WL3, WL, SL3, ROWS, B_L, COLS, KCH, GROUPS, TILES,
                                   ACT)  # fmt: skip
+            if PAIR == 2:
+                nxt2 = _group_operands(words_view, s_view, m_view, x_smem, xsum_smem, (step + 1) // SPT,
+                                       2 * ((step + 1) % SPT) + 1, WL3, WL, SL3, ROWS, B_L, COLS, KCH, GROUPS, TILES,
+                                       ACT)  # fmt: skip
         prod = mma_v2(_a_operand(words, A_L, FP16), xb, zero)
-        y += s * prod + (mn - s * MAGIC) * xs
+        prod2 = prod
+        if PAIR == 2:
+            prod2 = mma_v2(_a_operand(words2, A_L, FP16), xb2, zero)
         if ACT == 1:
             prod_up = mma_v2(_a_operand(words_up, A_L, FP16), xb, zero)
+            prod_up2 = prod_up
+            if PAIR == 2:
+                prod_up2 = mma_v2(_a_operand(words_up2, A_L, FP16), xb2, zero)
+        y += s * prod + (mn - s * MAGIC) * xs
+        if PAIR == 2:
+            y += s2 * prod2 + (mn2 - s2 * MAGIC) * xs2
+        if ACT == 1:
             y_up += s_up * prod_up + (mn_up - s_up * MAGIC) * xs
-        if step % GROUPS == GROUPS - 1:
+            if PAIR == 2:
+                y_up += s_up2 * prod_up2 + (mn_up2 - s_up2 * MAGIC) * xs2
+        if step % SPT == SPT - 1:
             # Keep mma row (h, r)'s column r, then add up the blocks: [warps, 2 (h), 8 (r), 8 (c)] -> [warps, 2].
             out = gl.sum(gl.sum(gl.reshape(gl.where(keep, y, 0.0), [_WARPS, 2, 8, 8]), axis=3), axis=2) * rstd
             out_up = out
@@ -263,7 +286,7 @@ def _gemv_int4_staged_mma_kernel(
             _store_rows(gl.convert_layout(out, RL), gl.convert_layout(out_up, RL), rows, N, out_ptr, bias, res,
                         BIAS, ACT, RESIDUAL)  # fmt: skip
             if step + 1 < STEPS:
-                rows = row0 + ((step + 1) // GROUPS) * 16 + tile_rows
+                rows = row0 + ((step + 1) // SPT) * 16 + tile_rows
                 bias, res = _load_bias_residual(rows, N, b_ptr, res_ptr, BIAS, RESIDUAL)
                 y = zero
                 y_up = zero
