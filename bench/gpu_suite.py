@@ -589,13 +589,13 @@ def staged_section() -> dict[str, Any]:
     variants: dict[str, list[float]] = {}
     for _ in range(2):
         for layout in STAGED_LAYOUTS:
-            for early_launch in (False, True):
-                cuda_ops.STAGED_LAYOUT, cuda_ops.STAGED_EARLY_LAUNCH = layout, early_launch
-                variants.setdefault(f"{layout} early={early_launch}", []).append(decode_ms())
+            for launch in ("after_wait", "before_wait"):
+                cuda_ops.STAGED_LAYOUT, cuda_ops.STAGED_LAUNCH_DEPENDENTS = layout, launch
+                variants.setdefault(f"{layout} launch={launch}", []).append(decode_ms())
     res["variants_ms"] = variants
     best = min(variants, key=lambda v: min(variants[v]))
     cuda_ops.STAGED_LAYOUT = next(la for la in STAGED_LAYOUTS if best.startswith(str(la)))
-    cuda_ops.STAGED_EARLY_LAUNCH = best.endswith("True")
+    cuda_ops.STAGED_LAUNCH_DEPENDENTS = best.rsplit("=", 1)[1]
     print("staged variants", variants, flush=True)
     m.close()
     torch.cuda.empty_cache()
@@ -606,11 +606,41 @@ QKV_SHAPE, GATE_UP_SHAPE = (6144, 2048, 0), (5632, 2048, 1)
 
 
 def _timeline_by_kernel(timeline: dict[str, Any]) -> dict[str, list[float]]:
-    """A step timeline's kernels grouped by name: [launches, mean µs]."""
-    groups: dict[str, list[float]] = {}
-    for name, us, _gap in timeline["step"]:
-        groups.setdefault(name, []).append(us)
-    return {name: [len(v), round(statistics.mean(v), 2)] for name, v in groups.items()}
+    """A step timeline's kernels grouped by name: [launches, mean µs from launch to end, mean µs the kernel adds
+    to the step (its end minus the previous kernel's end: under PDL a kernel starts early and waits, so its
+    duration overlaps its predecessor's)]."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for name, us, gap in timeline["step"][1:]:
+        groups.setdefault(name, []).append((us, us + gap))
+    return {name: [len(v), round(statistics.mean(d for d, _ in v), 2), round(statistics.mean(a for _, a in v), 2)]
+            for name, v in groups.items()}  # fmt: skip
+
+
+def staged_mma_timeline_section() -> dict[str, Any]:
+    """Why the tensor-core staged GEMV loses in the chain: one seed-407m decode step's kernels (grouped by name,
+    with the time each adds to the step, and one body layer in order) with QKV + gate / up on the CUDA-core and
+    on the tensor-core staged kernel, with and without PDL; and 64 raw decode steps of fresh models under each."""
+    wait_for_models(SEED_PATH)
+    base = {"USE_STAGED_GEMV": True, "USE_GLUON_GEMV": True, "STAGED_SHAPES": frozenset({QKV_SHAPE, GATE_UP_SHAPE}),
+            "STAGED_MMA_PROGRAMS_PER_SM": 1}  # fmt: skip
+    policies = {"cuda cores": {**base, "STAGED_MMA_SHAPES": frozenset()}, "mma": {**base, "STAGED_MMA_SHAPES": None}}
+    res: dict[str, Any] = {}
+    for pdl in (True, False):
+        for name, switches in policies.items():
+            _apply(switches)
+            key = f"{name}, {'pdl' if pdl else 'no pdl'}"
+            tl = _step_timeline(pdl)
+            ms = _fresh_seed_decode()[0] if pdl else with_env({"TINYLOOP_DISABLE_PDL": "1"}, _fresh_seed_decode)[0]
+            names = [row[0] for row in tl["step"]]
+            qkv = [i for i, n in enumerate(names) if n.startswith("_gemv_int4_staged")]
+            layer = tl["step"][qkv[8] - 1 : qkv[8] + 6] if len(qkv) > 8 else []
+            res[key] = {"chain_ms": ms, "span_us": tl["step_span_us"], "by_kernel": _timeline_by_kernel(tl),
+                        "body_layer": layer}  # fmt: skip
+            print("mma timeline", key, round(ms, 2), round(tl["step_span_us"], 1), res[key]["by_kernel"], flush=True)
+            for row in layer:
+                print("   ", row, flush=True)
+    _apply(policies["cuda cores"])
+    return res
 
 
 def staged_mma_section() -> dict[str, Any]:
@@ -681,6 +711,47 @@ def staged_mma_section() -> dict[str, Any]:
     print("staged mma best", best, res["greedy_tokens_identical"], flush=True)
     torch.cuda.empty_cache()
     return res
+
+
+def launch_placement_section() -> dict[str, Any]:
+    """Where the decode GEMVs let the next kernel launch under PDL (cuda_ops.STAGED_LAUNCH_DEPENDENTS,
+    GLUON_LAUNCH_DEPENDENTS: right after their own wait, or at their end so that the next kernel's programs never
+    share an SM with their arithmetic), with QKV + gate / up on the CUDA-core or the tensor-core staged kernel:
+    64 raw decode steps of one seed-407m model (graphs re-captured) per policy, alternated twice; the fastest
+    policy's greedy tokens against the committed setting's on fresh models. The fastest applies to later sections
+    where its tokens agree."""
+    wait_for_models(SEED_PATH)
+    committed = {"USE_STAGED_GEMV": True, "USE_GLUON_GEMV": True, "STAGED_SHAPES": cuda_ops.STAGED_SHAPES,
+                 "STAGED_MMA_SHAPES": cuda_ops.STAGED_MMA_SHAPES, "STAGED_MMA_PROGRAMS_PER_SM": 1,
+                 "STAGED_LAUNCH_DEPENDENTS": cuda_ops.STAGED_LAUNCH_DEPENDENTS,
+                 "GLUON_LAUNCH_DEPENDENTS": cuda_ops.GLUON_LAUNCH_DEPENDENTS}  # fmt: skip
+    staged_end = {**committed, "STAGED_LAUNCH_DEPENDENTS": "at_end"}
+    gate_up = frozenset({GATE_UP_SHAPE})
+    policies = {"committed": committed, "staged at end": staged_end,
+                "gluon at end": {**committed, "GLUON_LAUNCH_DEPENDENTS": "at_end"},
+                "both at end": {**staged_end, "GLUON_LAUNCH_DEPENDENTS": "at_end"},
+                "mma gate_up": {**committed, "STAGED_MMA_SHAPES": gate_up},
+                "mma gate_up, staged at end": {**staged_end, "STAGED_MMA_SHAPES": gate_up},
+                "mma qkv+gate_up, staged at end": {**staged_end, "STAGED_MMA_SHAPES": None}}  # fmt: skip
+    m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
+    decode_ms = _recapturing_decode(m)
+    chain: dict[str, list[float]] = {}
+    for _ in range(2):
+        for name, switches in policies.items():
+            _apply(switches)
+            chain.setdefault(name, []).append(decode_ms())
+    m.close()
+    print("launch placement chain", chain, flush=True)
+    best = min(chain, key=lambda c: min(chain[c]))
+    tokens = {}
+    for name in dict.fromkeys(("committed", best)):
+        _apply(policies[name])
+        tokens[name] = _fresh_seed_decode()[1]
+    identical = tokens[best] == tokens["committed"]
+    _apply(policies[best] if identical else committed)
+    print("launch placement best", best, identical, flush=True)
+    torch.cuda.empty_cache()
+    return {"chain_ms": chain, "best": best, "greedy_tokens_identical": identical}
 
 
 # cuda_ops.SPLIT_ATTENTION candidates: (splits, keys per block, warps); None: one program per head.
@@ -1461,6 +1532,8 @@ SECTIONS = {
     "int4_gemm": int4_gemm_section,
     "tiny_split": tiny_split_section,
     "staged_mma": staged_mma_section,
+    "staged_mma_timeline": staged_mma_timeline_section,
+    "launch_placement": launch_placement_section,
     "prefill_profile": prefill_profile_section,
     "profile": profile_section,
     "seed407m": seed_section,

@@ -104,3 +104,17 @@ def test_staged_launcher_picks_the_tensor_core_kernel_for_16_bit_x_of_listed_sha
     assert kwargs["TILES"] == plan.tiles and kwargs["ACT"] == 1
     if expected == "mma":
         assert kwargs["GROUPS"] == 1536 // 512 and kwargs["FP16"] == (dtype == torch.float16)
+
+
+@pytest.mark.parametrize(("pdl", "launch", "expected"), [
+    (True, "after_wait", 1), (True, "before_wait", 2), (True, "at_end", 3), (False, "at_end", 0),
+])  # fmt: skip
+def test_staged_kernels_launch_the_next_kernel_where_configured(
+    pdl: bool, launch: str, expected: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cuda_ops, "USE_PDL", pdl)
+    monkeypatch.setattr(cuda_ops, "STAGED_LAUNCH_DEPENDENTS", launch)
+    assert cuda_ops._staged_pdl()["PDL"] == expected
+    monkeypatch.setattr(cuda_ops, "STAGED_LAUNCH_DEPENDENTS", "early")
+    with pytest.raises(ValueError, match="after_wait, before_wait or at_end"):
+        cuda_ops._staged_pdl()

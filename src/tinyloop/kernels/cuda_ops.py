@@ -161,7 +161,8 @@ def _gemv_gluon(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: t
             x, w.packed.view(torch.int32), w.scale, w.minimum, out, res, nw, b, N, K, eps, K // 8, K // 64,
             PRMT_HIGH_BYTE, NORM=flags["NORM"], BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"],
             R=rows, LR=lanes_rows, BPT=per_thread, WR=warps_rows, WB=warps_blocks, EVEN=even,
-            num_warps=warps_rows * warps_blocks, **_register_cap(), **_pdl(),
+            num_warps=warps_rows * warps_blocks, **_register_cap(),
+            **_gluon_pdl(GLUON_LAUNCH_DEPENDENTS, "GLUON_LAUNCH_DEPENDENTS"),
         )  # fmt: skip
     except CompilationError as exc:
         USE_GLUON_GEMV = False
@@ -174,10 +175,13 @@ def _gemv_gluon(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: t
 # kernel (kernels/gluon_gemv_staged.py): the decode chain's weight reads overlap the kernel before. Set by
 # kernels/cuda_backend.py on Hopper and later with a Triton that builds it, unless TINYLOOP_DISABLE_STAGED_GEMV.
 USE_STAGED_GEMV = False
-# Under PDL the staged kernel lets the next kernel launch before its own wait (True) or after it (False). After
-# it, the next GEMV stages its weights while this one computes, and no further: before it, every kernel up to
-# the next attention launched at once and staged together (session 9, first run: 1,328 µs per step).
-STAGED_EARLY_LAUNCH = False
+# Under PDL the staged kernel lets the next kernel launch "after_wait" (right after its own wait), "before_wait",
+# or "at_end" (after its stores: the next kernel's programs then never share an SM with its arithmetic). After
+# the wait, the next GEMV stages its weights while this one computes, and no further: before it, every kernel up
+# to the next attention launched at once and staged together (session 9, first run: 1,328 µs per step).
+STAGED_LAUNCH_DEPENDENTS = "after_wait"
+# The same choice for the streaming Gluon GEMV ("after_wait" or "at_end").
+GLUON_LAUNCH_DEPENDENTS = "after_wait"
 # The (N, K, act) shapes that take the staged GEMV where it is on; None: every shape its plan applies to.
 # Session 9 (H200, seed-407m, 64 raw decode steps at 8 loops, split attention on): QKV and gate / up staged
 # 75.0-75.3 ms against 76.3-76.7 with none (fresh models alternated three times, identical tokens); all four
@@ -195,6 +199,21 @@ STAGED_MMA_SHAPES: frozenset[tuple[int, int, int]] | None = frozenset()
 # Its programs per SM (its ~50 registers a thread leave room for more than the CUDA-core kernel's one program):
 # 3 took gate / up from 11.1 to 9.1 µs alone but did not move the chain.
 STAGED_MMA_PROGRAMS_PER_SM = 1
+
+
+def _gluon_pdl(launch: str, name: str) -> dict[str, int | bool]:
+    """The Gluon GEMVs' PDL options for a launch-dependents setting (`name` is the setting's, for the error):
+    `_pdl`'s, with PDL 3 (the next kernel launches at the end) for "at_end"."""
+    if launch not in ("after_wait", "before_wait", "at_end"):
+        raise ValueError(f"{name} is {launch!r}: expected after_wait, before_wait or at_end")
+    options = _pdl(launch == "before_wait")
+    if options["PDL"] and launch == "at_end":
+        options["PDL"] = 3
+    return options
+
+
+def _staged_pdl() -> dict[str, int | bool]:
+    return _gluon_pdl(STAGED_LAUNCH_DEPENDENTS, "STAGED_LAUNCH_DEPENDENTS")
 
 
 @functools.cache
@@ -239,7 +258,7 @@ def _gemv_staged(x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: 
     s_desc, m_desc = (TensorDescriptor(t, [rows, blocks], [blocks, 1], [TILE_ROWS, CHUNK_BLOCKS], group_layout)
                       for t in (w.scale, w.minimum))  # fmt: skip
     common = dict(NORM=flags["NORM"], BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"],
-                  TILES=plan.tiles, KCH=plan.chunks, **_pdl(STAGED_EARLY_LAUNCH))  # fmt: skip
+                  TILES=plan.tiles, KCH=plan.chunks, **_staged_pdl())  # fmt: skip
     try:
         if mma:
             staged_mma._gemv_int4_staged_mma_kernel[(plan.programs,)](

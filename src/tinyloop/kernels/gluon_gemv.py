@@ -147,12 +147,14 @@ def _gemv_int4_gluon_kernel(
         words_up, s_up, mn_up = _load_tile(w_tile + up_w, g_tile + up_g, s_ptr, m_ptr, 0, blk3, blk2, row_mask3,
                                            row_mask2, n_blocks, n_blocks > 0, EVEN)  # fmt: skip
     # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait.
+    # (PDL 3: the next kernel launches after this program's stores, at the end.)
     if PDL == 2:  # as triton_pdl._wait_for_previous_kernel
         _launch_dependents()
         _wait_for_previous_kernel()
     elif PDL:
         _wait_for_previous_kernel()
-        _launch_dependents()
+        if PDL == 1:
+            _launch_dependents()
 
     acc = gl.zeros([BN, BB], gl.float32, layout=L2)
     acc_up = gl.zeros([BN, BB], gl.float32, layout=L2)
@@ -207,6 +209,8 @@ def _gemv_int4_gluon_kernel(
         y_up = y_up * rstd
     bias, res = _load_bias_residual(rows, N, b_ptr, res_ptr, BIAS, RESIDUAL)
     _store_rows(y, y_up, rows, N, out_ptr, bias, res, BIAS, ACT, RESIDUAL)
+    if PDL == 3:
+        _launch_dependents()
 
 
 @_jit

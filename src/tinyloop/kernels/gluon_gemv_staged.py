@@ -90,7 +90,8 @@ def _stage_weights(w_desc, s_desc, m_desc, row0, N, BN: gl.constexpr, TILES: gl.
     """Asks the TMA unit for a program's whole weight slice: TILES tiles of BN rows from row0 (and, with
     HALVES 2, the SwiGLU up half N rows further down) x KCH boxes of CHUNK_BLOCKS blocks, box (h TILES + t)
     KCH + c of the returned words / scales / minimums, tile t signalling barrier t. Then the PDL wait: the
-    weights never depend on an earlier kernel, so they are all in flight before it."""
+    weights never depend on an earlier kernel, so they are all in flight before it. PDL 1 lets the next kernel
+    launch after the wait, 2 before it, 3 not here but in `_release`, after this program's stores."""
     BOXES: gl.constexpr = HALVES * TILES * KCH
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [BOXES, BN, _CHUNK, 8], w_desc.layout)
     s_smem = gl.allocate_shared_memory(s_desc.dtype, [BOXES, BN, _CHUNK], s_desc.layout)
@@ -115,15 +116,18 @@ def _stage_weights(w_desc, s_desc, m_desc, row0, N, BN: gl.constexpr, TILES: gl.
         _wait_for_previous_kernel()
     elif PDL:
         _wait_for_previous_kernel()
-        _launch_dependents()
+        if PDL == 1:
+            _launch_dependents()
     return w_smem, s_smem, m_smem, bars
 
 
 @_jit
-def _release(bars, TILES: gl.constexpr):
-    """The tiles' barriers, invalidated at the program's end."""
+def _release(bars, TILES: gl.constexpr, PDL: gl.constexpr):
+    """The tiles' barriers, invalidated at the program's end; with PDL 3 the next kernel may launch now."""
     for t in gl.static_range(TILES):
         mbarrier.invalidate(bars.index(t))
+    if PDL == 3:
+        _launch_dependents()
 
 
 @_jit
@@ -227,4 +231,4 @@ def _gemv_int4_staged_kernel(
         y = gl.sum(acc, axis=1) * rstd
         y_up = gl.sum(acc_up, axis=1) * rstd
         _store_rows(y, y_up, rows, N, out_ptr, bias, res, BIAS, ACT, RESIDUAL)
-    _release(bars, TILES)
+    _release(bars, TILES, PDL)

@@ -290,4 +290,4 @@ def _gemv_int4_staged_mma_kernel(
                 bias, res = _load_bias_residual(rows, N, b_ptr, res_ptr, BIAS, RESIDUAL)
                 y = zero
                 y_up = zero
-    _release(bars, TILES)
+    _release(bars, TILES, PDL)
