@@ -732,6 +732,8 @@ def launch_placement_section() -> dict[str, Any]:
                 "both at end": {**staged_end, "GLUON_LAUNCH_DEPENDENTS": "at_end"},
                 "mma gate_up": {**committed, "STAGED_MMA_SHAPES": gate_up},
                 "mma gate_up, staged at end": {**staged_end, "STAGED_MMA_SHAPES": gate_up},
+                "mma gate_up, gluon at end": {**committed, "STAGED_MMA_SHAPES": gate_up,
+                                              "GLUON_LAUNCH_DEPENDENTS": "at_end"},
                 "mma qkv+gate_up, staged at end": {**staged_end, "STAGED_MMA_SHAPES": None}}  # fmt: skip
     m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
     decode_ms = _recapturing_decode(m)
