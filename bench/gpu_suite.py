@@ -1215,6 +1215,135 @@ def int4_gemm_section() -> dict[str, Any]:
     return res
 
 
+GLUON_GEMM_ROWS = (128, 1024)
+GLUON_GEMM_CANDIDATES = [(64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (64, 128, 4, 4), (128, 128, 8, 3),
+                         (128, 128, 4, 3), (64, 64, 4, 6)]  # fmt: skip
+# (N, K, rows, bias, residual, dtype) of the Gluon INT4 GEMM's checks: seed-407m shapes, partial tiles in N and M.
+BF16, FP16 = torch.bfloat16, torch.float16
+GLUON_GEMM_CASES = [(6144, 2048, 128, False, False, BF16), (2048, 2048, 128, False, True, BF16),
+                    (11264, 2048, 128, False, False, BF16), (2048, 5632, 300, False, True, BF16),
+                    (1000, 1536, 77, True, False, BF16), (6144, 2048, 1024, False, False, FP16)]  # fmt: skip
+# One Gluon INT4 GEMM call in a child process (a wrong barrier phase would hang, not fail).
+GLUON_GEMM_SMOKE = """
+import torch
+from tinyloop.kernels import cuda_ops
+from tinyloop.quant import BlockedInt4Weight, quantize_int4
+cuda_ops.USE_GLUON_GEMM = True
+q = quantize_int4(torch.randn(640, 1024) / 45, 64)
+x = torch.randn(100, 1024).bfloat16()
+y = cuda_ops._product(x.cuda(), BlockedInt4Weight.from_int4(q).to("cuda"), None, None, None)
+torch.cuda.synchronize()
+ref = x.double() @ q.dequantize().double().T
+print("gluon gemm smoke ok", float((y.double().cpu() - ref).norm() / ref.norm()))
+"""
+
+
+def _gluon_gemm_checks() -> dict[str, dict[str, float]]:
+    """`_product` through the Gluon INT4 GEMM and through cuBLAS, each against float64 (no rounding on the way)."""
+    gen = torch.Generator().manual_seed(7)
+    res = {}
+    for n, k, rows, bias, resid, dt in GLUON_GEMM_CASES:
+        q = quantize_int4(torch.randn(n, k, generator=gen) / 45, 64)
+        w = BlockedInt4Weight.from_int4(q).to("cuda")
+        x = torch.randn(rows, k, generator=gen).to(dt)
+        b = (0.1 * torch.randn(n, generator=gen)).to(dt) if bias else None
+        r = torch.randn(rows, n, generator=gen).to(dt) if resid else None
+        ref = x.double() @ q.dequantize().double().T
+        ref = ref + (b.double() if b is not None else 0) + (r.double() if r is not None else 0)
+        got = {}
+        for on in (True, False):
+            cuda_ops.USE_GLUON_GEMM = on
+            got[on] = cuda_ops._product(x.cuda(), w, None if b is None else b.cuda(), None if r is None else r.cuda(),
+                                        None).double().cpu()  # fmt: skip
+        key = f"{n}x{k} rows={rows} bias{int(bias)} res{int(resid)} {str(dt)[6:]}"
+        res[key] = {"gluon_vs_f64": rel(got[True], ref), "cublas_vs_f64": rel(got[False], ref),
+                    "gluon_vs_cublas": rel(got[True], got[False])}  # fmt: skip
+        print("gluon gemm check", key, {c: f"{v:.2e}" for c, v in res[key].items()}, flush=True)
+    return res
+
+
+def gluon_gemm_section() -> dict[str, Any]:
+    """The Gluon INT4 GEMM for short prefills (kernels/gluon_gemm_int4.py, cuda_ops.USE_GLUON_GEMM): one call in a
+    child process, then against float64 and cuBLAS; tiles per seed-407m shape at 128 and 1,024 rows against
+    cuBLAS on the already-dequantized 16-bit weight; seed-407m prefill (score_last, loops 8) end to end, fresh
+    models with it off and on alternated. Where it wins end to end it stays on for later sections."""
+    from tinyloop.kernels import gluon_gemm_int4
+    from tinyloop.kernels.cuda_backend import pdl_supported
+
+    cuda_ops.USE_PDL = pdl_supported()
+    res: dict[str, Any] = {"available": gluon_gemm_int4.available() and torch.cuda.get_device_capability()[0] == 9}
+    if not res["available"]:
+        return res
+    try:
+        run = subprocess.run([sys.executable, "-c", GLUON_GEMM_SMOKE], capture_output=True, text=True, timeout=120)
+        res["smoke"] = {"rc": run.returncode, "out": run.stdout[-500:], "err": run.stderr[-3000:]}
+    except subprocess.TimeoutExpired:
+        res["smoke"] = {"rc": "timeout"}
+    print("gluon gemm smoke", res["smoke"], flush=True)
+    if res["smoke"]["rc"] != 0:
+        return res
+    res["checks"] = _gluon_gemm_checks()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name in INT4_GEMM_SHAPES:
+        n, k, act = SEED_SHAPES[name]
+        ws = random_int4_copies(2 * n if act == 1 else n, k, gen)
+        for rows in GLUON_GEMM_ROWS:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+
+            def cublas_on_dense(x: torch.Tensor = x, ws: list = ws, act: int = act) -> dict[str, float]:
+                cuda_ops.USE_GLUON_GEMM = False
+                with cuda_ops.dense_weights_reused(ws):
+                    for w in ws:  # dequantized before the graph, as a prefill's first loop does
+                        cuda_ops.fused_linear(x, w, act=act)
+                    return time_cycling(x, ws, act)
+
+            cuda_ops.USE_GLUON_GEMM, cuda_ops.GLUON_GEMM_MAX_ROWS = True, 4096
+            key = (ws[0].shape[0], k, 1 << (rows - 1).bit_length())
+            res[f"{name} rows={rows}"] = _tile_sweep(f"gluon gemm {name} {rows}", x, ws, act, GLUON_GEMM_CANDIDATES,
+                                                     cuda_ops.GLUON_GEMM_CONFIGS, key,
+                                                     ("cublas_on_dense", cublas_on_dense))  # fmt: skip
+        del ws
+        torch.cuda.empty_cache()
+    res["chosen"] = {str(k): v for k, v in cuda_ops.GLUON_GEMM_CONFIGS.items()}
+    wait_for_models(SEED_PATH)
+    rng = np.random.default_rng(3)
+    prompts = {n: rng.integers(0, 32000, n).astype(np.int32) for n in GLUON_GEMM_ROWS}
+    e2e: dict[str, list[float]] = {}
+    logits: dict[str, np.ndarray] = {}
+    for _ in range(2):
+        for on in (False, True):
+            cuda_ops.USE_GLUON_GEMM = on
+            m = tinyloop.Model(SEED_PATH, max_seq_len=1024, device="cuda")
+            for n, ids in prompts.items():
+                for _ in range(2):
+                    out = m.score_last(ids, loops=8)
+                logits[f"{on} {n}"] = np.asarray(out, dtype=np.float64)
+                ms = 1e3 * statistics.median(timed(lambda ids=ids, m=m: m.score_last(ids, loops=8), 10))
+                e2e.setdefault(f"gluon_gemm={'on' if on else 'off'} {n}", []).append(ms)
+            m.close()
+            torch.cuda.empty_cache()
+    res["prefill_ms"] = e2e
+    res["prefill_logits_rel_on_vs_off"] = {n: rel(logits[f"True {n}"], logits[f"False {n}"]) for n in prompts}
+    print("gluon gemm prefill", {k: [round(v, 3) for v in vs] for k, vs in e2e.items()},
+          res["prefill_logits_rel_on_vs_off"], flush=True)  # fmt: skip
+    wins = [n for n in GLUON_GEMM_ROWS if min(e2e[f"gluon_gemm=on {n}"]) < min(e2e[f"gluon_gemm=off {n}"])]
+    cuda_ops.USE_GLUON_GEMM = bool(wins)
+    cuda_ops.GLUON_GEMM_MAX_ROWS = max(wins) if wins else cuda_ops.GLUON_GEMM_MAX_ROWS
+    res["chosen_on"], res["chosen_max_rows"] = cuda_ops.USE_GLUON_GEMM, cuda_ops.GLUON_GEMM_MAX_ROWS
+    print("USE_GLUON_GEMM", cuda_ops.USE_GLUON_GEMM, "max rows", cuda_ops.GLUON_GEMM_MAX_ROWS, flush=True)
+    if cuda_ops.USE_GLUON_GEMM:
+        m = tinyloop.Model(SEED_PATH, max_seq_len=1024, device="cuda")
+        ids = prompts[128]
+        for _ in range(2):
+            m.score_last(ids, loops=8)
+        res["profile_128"] = _profile_calls(lambda: m.score_last(ids, loops=8), 5)
+        m.close()
+        torch.cuda.empty_cache()
+        for name, row in list(res["profile_128"]["kernels"].items())[:12]:
+            print("   ", name, {a: round(b, 2) for a, b in row.items()}, flush=True)
+    return res
+
+
 def _profile_calls(fn: Callable[[], Any], calls: int) -> dict[str, Any]:
     """Kernel time per call of fn by kernel name (torch profiler), against wall time per call."""
     from torch.profiler import ProfilerActivity, profile
@@ -1536,6 +1665,7 @@ SECTIONS = {
     "staged_mma": staged_mma_section,
     "staged_mma_timeline": staged_mma_timeline_section,
     "launch_placement": launch_placement_section,
+    "gluon_gemm": gluon_gemm_section,
     "prefill_profile": prefill_profile_section,
     "profile": profile_section,
     "seed407m": seed_section,

@@ -572,19 +572,14 @@ def _linear_unfused(
     residual: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Many rows: the weight in the compute dtype (dequantized into scratch for INT4, or taken from the
-    dense-weight reuse scope) through cuBLAS, with the residual sum in the GEMM and SwiGLU in one launch."""
+    """Many rows: the product in one GEMM launch (`_product`), with the residual sum in the GEMM and SwiGLU in
+    one launch after it."""
     h = rms_norm(x, norm_weight, eps) if norm_weight is not None else x
-    dense = _dense_weight(w, x.dtype)
     b = None if bias is None else bias.to(x.dtype)
     plain_epilogue = act == ACT_NONE and out.dtype == x.dtype
     if plain_epilogue and (residual is None or (b is None and residual.dtype == x.dtype)):
-        if residual is not None:
-            return torch.addmm(residual, h, dense.t(), out=out)
-        if b is not None:
-            return torch.addmm(b, h, dense.t(), out=out)
-        return torch.mm(h, dense.t(), out=out)
-    y = F.linear(h, dense, b)
+        return _product(h, w, b, residual, out)
+    y = _product(h, w, b, None, None)
     if act == ACT_SWIGLU and residual is None:
         M, N = out.shape
         block = min(1024, triton.next_power_of_2(N))
@@ -600,6 +595,77 @@ def _linear_unfused(
     if residual is not None:
         y = residual + y
     out.copy_(y)
+    return out
+
+
+def _product(
+    h: torch.Tensor, w: Weight, b: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor | None
+) -> torch.Tensor:
+    """h @ w.T (+ b) (+ residual: only without b), accumulated in float32 and rounded once, into `out` (or a
+    new tensor): the Gluon INT4 GEMM where it applies, else cuBLAS on the weight in h's dtype (INT4 dequantized
+    into scratch, or taken from the dense-weight reuse scope)."""
+    if isinstance(w, BlockedInt4Weight) and _gluon_gemm_applies(h, w):
+        if out is None:
+            out = torch.empty((h.shape[0], w.shape[0]), dtype=h.dtype, device=h.device)
+        return _gemm_int4_gluon(h, w, b, residual, out)
+    dense = _dense_weight(w, h.dtype)
+    if out is None:
+        return F.linear(h, dense, b)
+    if residual is not None:
+        return torch.addmm(residual, h, dense.t(), out=out)
+    if b is not None:
+        return torch.addmm(b, h, dense.t(), out=out)
+    return torch.mm(h, dense.t(), out=out)
+
+
+# Rows of a blocked INT4 product that go to the Gluon INT4 GEMM (kernels/gluon_gemm_int4.py) instead of
+# dequantize + cuBLAS, where USE_GLUON_GEMM (Hopper, a Triton whose Gluon has wgmma) is set; up to
+# GLUON_GEMM_MAX_ROWS rows (beyond, cuBLAS's compute-bound tiles win).
+USE_GLUON_GEMM = False
+GLUON_GEMM_MAX_ROWS = 512
+# (N, K, rows rounded up to a power of two) -> (BLOCK_M, BLOCK_N, warps, stages); filled by benchmark sweeps.
+GLUON_GEMM_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+
+
+def _gluon_gemm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
+    key = (n, k, triton.next_power_of_2(rows))
+    if key in GLUON_GEMM_CONFIGS:
+        return GLUON_GEMM_CONFIGS[key]
+    return (64 if rows <= 64 else 128), 64, 4, 4
+
+
+def _gluon_gemm_applies(h: torch.Tensor, w: BlockedInt4Weight) -> bool:
+    from tinyloop.kernels import gluon_gemm_int4
+
+    M, K = h.shape
+    aligned = h.is_contiguous() and h.data_ptr() % 16 == 0 and w.packed.data_ptr() % 16 == 0
+    return (USE_GLUON_GEMM and M <= GLUON_GEMM_MAX_ROWS and aligned and w.packed.is_contiguous()
+            and gluon_gemm_int4.applies(K, w.group_size, h.element_size()))  # fmt: skip
+
+
+def _gemm_int4_gluon(
+    h: torch.Tensor, w: BlockedInt4Weight, b: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor
+) -> torch.Tensor:
+    """Launches kernels/gluon_gemm_int4.py: out = h @ w.T (+ b) (+ residual)."""
+    from triton.experimental.gluon.language import NVMMASharedLayout, bfloat16, float16, int32
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from tinyloop.kernels.gluon_gemm_int4 import GROUP_SIZE, _gemm_int4_kernel
+
+    M, K = h.shape
+    N = w.shape[0]
+    block_m, block_n, warps, stages = _gluon_gemm_config(N, K, M)
+    x_dtype = bfloat16 if h.dtype == torch.bfloat16 else float16
+    x_layout = NVMMASharedLayout.get_default_for([block_m, GROUP_SIZE], x_dtype)
+    w_layout = NVMMASharedLayout.get_default_for([block_n, GROUP_SIZE // 8], int32)
+    words = w.packed.view(torch.int32)
+    x_desc = TensorDescriptor(h, [M, K], [K, 1], [block_m, GROUP_SIZE], x_layout)
+    w_desc = TensorDescriptor(words, [N, K // 8], [K // 8, 1], [block_n, GROUP_SIZE // 8], w_layout)
+    res = residual if residual is not None else out
+    _gemm_int4_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
+        x_desc, w_desc, w.scale, w.minimum, out, res, b if b is not None else out, M, N, K, out.stride(0),
+        res.stride(0), BIAS=b is not None, RESIDUAL=residual is not None, STAGES=stages, num_warps=warps,
+    )  # fmt: skip
     return out
 
 
