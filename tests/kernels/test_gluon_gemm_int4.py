@@ -90,3 +90,16 @@ def test_prefill_products_route_through_the_gluon_gemm_like_cublas(case: str, mo
     calls.clear()
     cuda_ops.fused_linear(x, w, **kw)
     assert not calls
+
+
+def test_product_adds_the_residual_into_a_new_output_too() -> None:
+    """`_product` without an output tensor still adds the residual (the GPU check of session 11 called it so and
+    the cuBLAS path dropped it), and refuses a bias and a residual together."""
+    gen = torch.Generator().manual_seed(4)
+    w = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(64, 128, generator=gen) / 20, 64))
+    x, r = torch.randn(20, 128, generator=gen), torch.randn(20, 64, generator=gen)
+    got = cuda_ops._product(x, w, None, r, None)
+    want = x.double() @ w.dequantize().double().T + r.double()
+    assert (got.double() - want).norm() / want.norm() < 1e-5
+    with pytest.raises(ValueError, match="not both"):
+        cuda_ops._product(x, w, torch.zeros(64), r, None)

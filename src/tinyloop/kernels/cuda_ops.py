@@ -604,9 +604,13 @@ def _product(
     """h @ w.T (+ b) (+ residual: only without b), accumulated in float32 and rounded once, into `out` (or a
     new tensor): the Gluon INT4 GEMM where it applies, else cuBLAS on the weight in h's dtype (INT4 dequantized
     into scratch, or taken from the dense-weight reuse scope)."""
-    if isinstance(w, BlockedInt4Weight) and _gluon_gemm_applies(h, w):
-        if out is None:
-            out = torch.empty((h.shape[0], w.shape[0]), dtype=h.dtype, device=h.device)
+    if residual is not None and b is not None:
+        raise ValueError("_product fuses a bias or a residual, not both")
+    gluon = isinstance(w, BlockedInt4Weight) and _gluon_gemm_applies(h, w)
+    if out is None and (gluon or residual is not None):
+        out = torch.empty((h.shape[0], w.shape[0]), dtype=h.dtype, device=h.device)
+    if gluon:
+        assert out is not None and isinstance(w, BlockedInt4Weight)
         return _gemm_int4_gluon(h, w, b, residual, out)
     dense = _dense_weight(w, h.dtype)
     if out is None:
