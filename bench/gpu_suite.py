@@ -685,6 +685,22 @@ def staged_mma_section() -> dict[str, Any]:
                 "mma gate_up": {**staged, "STAGED_MMA_SHAPES": frozenset({GATE_UP_SHAPE})},
                 "mma qkv": {**staged, "STAGED_MMA_SHAPES": frozenset({QKV_SHAPE})},
                 "mma qkv+gate_up": {**staged, "STAGED_MMA_SHAPES": None}}  # fmt: skip
+    res["chain_ms"] = chain = _chain_policies(policies)
+    print("staged mma chain", chain, flush=True)
+    res["timeline"] = {}
+    for name in ("cuda cores", "mma qkv+gate_up"):
+        _apply(policies[name])
+        res["timeline"][name] = _timeline_by_kernel(_step_timeline(True))
+        print("staged mma timeline", name, res["timeline"][name], flush=True)
+    res["best"], res["greedy_tokens_identical"] = _adopt_fastest(policies, chain)
+    print("staged mma best", res["best"], res["greedy_tokens_identical"], flush=True)
+    torch.cuda.empty_cache()
+    return res
+
+
+def _chain_policies(policies: dict[str, dict[str, Any]]) -> dict[str, list[float]]:
+    """64 raw decode steps of one seed-407m model (graphs re-captured) under each policy (cuda_ops switches),
+    the policies alternated twice: ms per policy."""
     wait_for_models(SEED_PATH)
     m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
     decode_ms = _recapturing_decode(m)
@@ -694,23 +710,20 @@ def staged_mma_section() -> dict[str, Any]:
             _apply(switches)
             chain.setdefault(name, []).append(decode_ms())
     m.close()
-    res["chain_ms"] = chain
-    print("staged mma chain", chain, flush=True)
-    res["timeline"] = {}
-    for name in ("cuda cores", "mma qkv+gate_up"):
-        _apply(policies[name])
-        res["timeline"][name] = _timeline_by_kernel(_step_timeline(True))
-        print("staged mma timeline", name, res["timeline"][name], flush=True)
+    return chain
+
+
+def _adopt_fastest(policies: dict[str, dict[str, Any]], chain: dict[str, list[float]]) -> tuple[str, bool]:
+    """The fastest policy of `chain` and whether its greedy tokens (fresh models) equal the "committed" policy's;
+    it is applied where they do, else "committed" is."""
     best = min(chain, key=lambda c: min(chain[c]))
     tokens = {}
     for name in dict.fromkeys(("committed", best)):
         _apply(policies[name])
         tokens[name] = _fresh_seed_decode()[1]
-    res["best"], res["greedy_tokens_identical"] = best, tokens[best] == tokens["committed"]
-    _apply(policies[best] if res["greedy_tokens_identical"] else committed)
-    print("staged mma best", best, res["greedy_tokens_identical"], flush=True)
-    torch.cuda.empty_cache()
-    return res
+    identical = tokens[best] == tokens["committed"]
+    _apply(policies[best] if identical else policies["committed"])
+    return best, identical
 
 
 def launch_placement_section() -> dict[str, Any]:
@@ -735,22 +748,9 @@ def launch_placement_section() -> dict[str, Any]:
                 "mma gate_up, gluon at end": {**committed, "STAGED_MMA_SHAPES": gate_up,
                                               "GLUON_LAUNCH_DEPENDENTS": "at_end"},
                 "mma qkv+gate_up, staged at end": {**staged_end, "STAGED_MMA_SHAPES": None}}  # fmt: skip
-    m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
-    decode_ms = _recapturing_decode(m)
-    chain: dict[str, list[float]] = {}
-    for _ in range(2):
-        for name, switches in policies.items():
-            _apply(switches)
-            chain.setdefault(name, []).append(decode_ms())
-    m.close()
+    chain = _chain_policies(policies)
     print("launch placement chain", chain, flush=True)
-    best = min(chain, key=lambda c: min(chain[c]))
-    tokens = {}
-    for name in dict.fromkeys(("committed", best)):
-        _apply(policies[name])
-        tokens[name] = _fresh_seed_decode()[1]
-    identical = tokens[best] == tokens["committed"]
-    _apply(policies[best] if identical else committed)
+    best, identical = _adopt_fastest(policies, chain)
     print("launch placement best", best, identical, flush=True)
     torch.cuda.empty_cache()
     return {"chain_ms": chain, "best": best, "greedy_tokens_identical": identical}
@@ -1137,6 +1137,35 @@ def _int4_gemm_checks() -> dict[str, float]:
     return res
 
 
+def _sweep_against_cublas(res: dict[str, Any], label: str, rows_list: tuple[int, ...],
+                          switch: Callable[[bool], None], candidates: Callable[[int], list[tuple]], configs: dict,
+                          key: Callable[[int, int, int, int], tuple[int, int, int]]) -> None:  # fmt: skip
+    """Each seed-407m shape (INT4_GEMM_SHAPES) at each row count: the `candidates(rows)` tiles of a many-row INT4
+    kernel (on with switch(True), tiles in configs[key(n, rows of the weight, k, rows)]) against cuBLAS on the
+    already-dequantized 16-bit weight (what a prefill runs: the body is dequantized once per step), weights
+    streamed from DRAM; each result in res["<shape> rows=<rows>"] (see _tile_sweep)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for name in INT4_GEMM_SHAPES:
+        n, k, act = SEED_SHAPES[name]
+        ws = random_int4_copies(2 * n if act == 1 else n, k, gen)
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+
+            def cublas_on_dense(x: torch.Tensor = x, ws: list = ws, act: int = act) -> dict[str, float]:
+                switch(False)
+                with cuda_ops.dense_weights_reused(ws):
+                    for w in ws:  # dequantized before the graph, as a prefill's first loop does
+                        cuda_ops.fused_linear(x, w, act=act)
+                    return time_cycling(x, ws, act)
+
+            switch(True)
+            res[f"{name} rows={rows}"] = _tile_sweep(f"{label} {name} {rows}", x, ws, act, candidates(rows), configs,
+                                                     key(n, ws[0].shape[0], k, rows),
+                                                     ("cublas_on_dense", cublas_on_dense))  # fmt: skip
+        del ws
+        torch.cuda.empty_cache()
+
+
 def int4_gemm_section() -> dict[str, Any]:
     """`_gemm_blocked_int4_kernel` (INT4 words on tensor cores, 32-256 rows) per seed-407m shape: correctness
     against float64, tiles alone against cuBLAS on the already-dequantized 16-bit weight (what a prefill
@@ -1150,50 +1179,17 @@ def int4_gemm_section() -> dict[str, Any]:
     cuda_ops.INT4_GEMM_MAX_ROWS = 4096
     res["checks"] = _int4_gemm_checks()
     print("int4 gemm checks", {k: f"{v:.2e}" for k, v in res["checks"].items()}, flush=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for name in INT4_GEMM_SHAPES:
-        n, k, act = SEED_SHAPES[name]
-        ws = random_int4_copies(2 * n if act == 1 else n, k, gen)
-        for rows in INT4_GEMM_ROWS:
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-
-            def cublas_on_dense(x: torch.Tensor = x, ws: list = ws, act: int = act) -> dict[str, float]:
-                cuda_ops.INT4_GEMM_MAX_ROWS = 0
-                with cuda_ops.dense_weights_reused(ws):
-                    for w in ws:  # dequantized before the graph, as a prefill's first loop does
-                        cuda_ops.fused_linear(x, w, act=act)
-                    return time_cycling(x, ws, act)
-
-            cuda_ops.INT4_GEMM_MAX_ROWS = 4096
-            res[f"{name} rows={rows}"] = _tile_sweep(f"{name} {rows}", x, ws, act, _int4_gemm_candidates(rows),
-                                                     cuda_ops.INT4_GEMM_CONFIGS, (n, k, rows),
-                                                     ("cublas_on_dense", cublas_on_dense))  # fmt: skip
-        del ws
-        torch.cuda.empty_cache()
+    _sweep_against_cublas(res, "int4 gemm", INT4_GEMM_ROWS,
+                          lambda on: setattr(cuda_ops, "INT4_GEMM_MAX_ROWS", 4096 if on else 0),
+                          _int4_gemm_candidates, cuda_ops.INT4_GEMM_CONFIGS,
+                          lambda n, n_total, k, rows: (n, k, rows))  # fmt: skip
     res["chosen"] = {str(k): v for k, v in cuda_ops.INT4_GEMM_CONFIGS.items()}
     limit = _rows_limit(res, INT4_GEMM_ROWS, INT4_GEMM_SHAPES, 0)
     res["limit_alone"] = limit
     # End to end: seed-407m score_last at PREFILL_ROWS tokens, loops 8, fresh models alternated.
-    wait_for_models(SEED_PATH)
-    rng = np.random.default_rng(3)
-    prompts = {n: rng.integers(0, 32000, n).astype(np.int32) for n in PREFILL_ROWS}
-    e2e: dict[str, list[float]] = {}
-    logits: dict[str, np.ndarray] = {}
-    for _ in range(2):
-        for setting in (0, 4096):
-            cuda_ops.INT4_GEMM_MAX_ROWS = setting
-            m = tinyloop.Model(SEED_PATH, max_seq_len=1024, device="cuda")
-            for n, ids in prompts.items():
-                for _ in range(2):
-                    out = m.score_last(ids, loops=8)
-                logits[f"{setting} {n}"] = np.asarray(out, dtype=np.float64)
-                ms = 1e3 * statistics.median(timed(lambda ids=ids, m=m: m.score_last(ids, loops=8), 10))
-                e2e.setdefault(f"int4_gemm={'on' if setting else 'off'} {n}", []).append(ms)
-            m.close()
-            torch.cuda.empty_cache()
-    res["prefill_ms"] = e2e
-    res["prefill_logits_rel_on_vs_off"] = {n: rel(logits[f"4096 {n}"], logits[f"0 {n}"]) for n in PREFILL_ROWS}
-    print("prefill", {k: [round(v, 3) for v in vs] for k, vs in e2e.items()}, flush=True)
+    res.update(_prefill_on_off(lambda on: setattr(cuda_ops, "INT4_GEMM_MAX_ROWS", 4096 if on else 0), "int4_gemm",
+                               PREFILL_ROWS))  # fmt: skip
+    e2e = res["prefill_ms"]
     best = 0
     for n in PREFILL_ROWS:
         if min(e2e[f"int4_gemm=on {n}"]) < min(e2e[f"int4_gemm=off {n}"]):
@@ -1203,15 +1199,7 @@ def int4_gemm_section() -> dict[str, Any]:
     cuda_ops.INT4_GEMM_MAX_ROWS = res["chosen_max_rows"] = best if best else old_limit
     print("INT4_GEMM_MAX_ROWS", cuda_ops.INT4_GEMM_MAX_ROWS, flush=True)
     if cuda_ops.INT4_GEMM_MAX_ROWS:
-        m = tinyloop.Model(SEED_PATH, max_seq_len=1024, device="cuda")
-        ids = prompts[128]
-        for _ in range(2):
-            m.score_last(ids, loops=8)
-        res["profile_128"] = _profile_calls(lambda: m.score_last(ids, loops=8), 5)
-        m.close()
-        torch.cuda.empty_cache()
-        for name, row in list(res["profile_128"]["kernels"].items())[:10]:
-            print("   ", name, {a: round(b, 2) for a, b in row.items()}, flush=True)
+        res["profile_128"] = _profile_prefill(128)
     return res
 
 
@@ -1283,65 +1271,60 @@ def gluon_gemm_section() -> dict[str, Any]:
     if res["smoke"]["rc"] != 0:
         return res
     res["checks"] = _gluon_gemm_checks()
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for name in INT4_GEMM_SHAPES:
-        n, k, act = SEED_SHAPES[name]
-        ws = random_int4_copies(2 * n if act == 1 else n, k, gen)
-        for rows in GLUON_GEMM_ROWS:
-            x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
-
-            def cublas_on_dense(x: torch.Tensor = x, ws: list = ws, act: int = act) -> dict[str, float]:
-                cuda_ops.USE_GLUON_GEMM = False
-                with cuda_ops.dense_weights_reused(ws):
-                    for w in ws:  # dequantized before the graph, as a prefill's first loop does
-                        cuda_ops.fused_linear(x, w, act=act)
-                    return time_cycling(x, ws, act)
-
-            cuda_ops.USE_GLUON_GEMM, cuda_ops.GLUON_GEMM_MAX_ROWS = True, 4096
-            key = (ws[0].shape[0], k, 1 << (rows - 1).bit_length())
-            res[f"{name} rows={rows}"] = _tile_sweep(f"gluon gemm {name} {rows}", x, ws, act, GLUON_GEMM_CANDIDATES,
-                                                     cuda_ops.GLUON_GEMM_CONFIGS, key,
-                                                     ("cublas_on_dense", cublas_on_dense))  # fmt: skip
-        del ws
-        torch.cuda.empty_cache()
+    cuda_ops.GLUON_GEMM_MAX_ROWS = 4096
+    _sweep_against_cublas(res, "gluon gemm", GLUON_GEMM_ROWS, lambda on: setattr(cuda_ops, "USE_GLUON_GEMM", on),
+                          lambda rows: GLUON_GEMM_CANDIDATES, cuda_ops.GLUON_GEMM_CONFIGS,
+                          lambda n, n_total, k, rows: (n_total, k, 1 << (rows - 1).bit_length()))  # fmt: skip
     res["chosen"] = {str(k): v for k, v in cuda_ops.GLUON_GEMM_CONFIGS.items()}
-    wait_for_models(SEED_PATH)
-    rng = np.random.default_rng(3)
-    prompts = {n: rng.integers(0, 32000, n).astype(np.int32) for n in GLUON_GEMM_ROWS}
-    e2e: dict[str, list[float]] = {}
-    logits: dict[str, np.ndarray] = {}
-    for _ in range(2):
-        for on in (False, True):
-            cuda_ops.USE_GLUON_GEMM = on
-            m = tinyloop.Model(SEED_PATH, max_seq_len=1024, device="cuda")
-            for n, ids in prompts.items():
-                for _ in range(2):
-                    out = m.score_last(ids, loops=8)
-                logits[f"{on} {n}"] = np.asarray(out, dtype=np.float64)
-                ms = 1e3 * statistics.median(timed(lambda ids=ids, m=m: m.score_last(ids, loops=8), 10))
-                e2e.setdefault(f"gluon_gemm={'on' if on else 'off'} {n}", []).append(ms)
-            m.close()
-            torch.cuda.empty_cache()
-    res["prefill_ms"] = e2e
-    res["prefill_logits_rel_on_vs_off"] = {n: rel(logits[f"True {n}"], logits[f"False {n}"]) for n in prompts}
-    print("gluon gemm prefill", {k: [round(v, 3) for v in vs] for k, vs in e2e.items()},
-          res["prefill_logits_rel_on_vs_off"], flush=True)  # fmt: skip
+    res.update(_prefill_on_off(lambda on: setattr(cuda_ops, "USE_GLUON_GEMM", on), "gluon_gemm", GLUON_GEMM_ROWS))
+    e2e = res["prefill_ms"]
     wins = [n for n in GLUON_GEMM_ROWS if min(e2e[f"gluon_gemm=on {n}"]) < min(e2e[f"gluon_gemm=off {n}"])]
     cuda_ops.USE_GLUON_GEMM = bool(wins)
     cuda_ops.GLUON_GEMM_MAX_ROWS = max(wins) if wins else cuda_ops.GLUON_GEMM_MAX_ROWS
     res["chosen_on"], res["chosen_max_rows"] = cuda_ops.USE_GLUON_GEMM, cuda_ops.GLUON_GEMM_MAX_ROWS
     print("USE_GLUON_GEMM", cuda_ops.USE_GLUON_GEMM, "max rows", cuda_ops.GLUON_GEMM_MAX_ROWS, flush=True)
     if cuda_ops.USE_GLUON_GEMM:
-        m = tinyloop.Model(SEED_PATH, max_seq_len=1024, device="cuda")
-        ids = prompts[128]
-        for _ in range(2):
-            m.score_last(ids, loops=8)
-        res["profile_128"] = _profile_calls(lambda: m.score_last(ids, loops=8), 5)
-        m.close()
-        torch.cuda.empty_cache()
-        for name, row in list(res["profile_128"]["kernels"].items())[:12]:
-            print("   ", name, {a: round(b, 2) for a, b in row.items()}, flush=True)
+        res["profile_128"] = _profile_prefill(128)
     return res
+
+
+def _prefill_on_off(switch: Callable[[bool], None], label: str, rows: tuple[int, ...]) -> dict[str, Any]:
+    """seed-407m score_last (loops 8) at each row count, fresh models with a kernel off and on (`switch`)
+    alternated twice: ms per setting ("label=on 128") and the logits' distance on vs off."""
+    wait_for_models(SEED_PATH)
+    rng = np.random.default_rng(3)
+    prompts = {n: rng.integers(0, 32000, n).astype(np.int32) for n in rows}
+    e2e: dict[str, list[float]] = {}
+    logits: dict[str, np.ndarray] = {}
+    for _ in range(2):
+        for on in (False, True):
+            switch(on)
+            m = tinyloop.Model(SEED_PATH, max_seq_len=1024, device="cuda")
+            for n, ids in prompts.items():
+                for _ in range(2):
+                    out = m.score_last(ids, loops=8)
+                logits[f"{on} {n}"] = np.asarray(out, dtype=np.float64)
+                ms = 1e3 * statistics.median(timed(lambda ids=ids, m=m: m.score_last(ids, loops=8), 10))
+                e2e.setdefault(f"{label}={'on' if on else 'off'} {n}", []).append(ms)
+            m.close()
+            torch.cuda.empty_cache()
+    distance = {n: rel(logits[f"True {n}"], logits[f"False {n}"]) for n in rows}
+    print(label, "prefill", {k: [round(v, 3) for v in vs] for k, vs in e2e.items()}, distance, flush=True)
+    return {"prefill_ms": e2e, "prefill_logits_rel_on_vs_off": distance}
+
+
+def _profile_prefill(tokens: int) -> dict[str, Any]:
+    """`_profile_calls` of a seed-407m score_last of `tokens` tokens at loops 8 (the top kernels printed)."""
+    m = tinyloop.Model(SEED_PATH, max_seq_len=1024, device="cuda")
+    ids = np.random.default_rng(3).integers(0, 32000, tokens).astype(np.int32)
+    for _ in range(2):
+        m.score_last(ids, loops=8)
+    profile = _profile_calls(lambda: m.score_last(ids, loops=8), 5)
+    m.close()
+    torch.cuda.empty_cache()
+    for name, row in list(profile["kernels"].items())[:12]:
+        print("   ", name, {a: round(b, 2) for a, b in row.items()}, flush=True)
+    return profile
 
 
 def _profile_calls(fn: Callable[[], Any], calls: int) -> dict[str, Any]:
