@@ -1,6 +1,8 @@
-"""Markdown tables and the decode-vs-loops plot for docs/BENCHMARKS.md from bench/gpu_suite.py's JSON.
+"""Markdown tables and plots for docs/BENCHMARKS.md from bench/gpu_suite.py's JSON: decode tokens/s vs loops
+(`--plot`), and where one decode step's time goes (`--step-plot`, from a staged_mma_timeline section).
 
 python bench/render_gpu_report.py bench/results/h200_suite_final.json [--plot docs/gpu_decode_vs_loops.png]
+python bench/render_gpu_report.py bench/results/h200_session11_c.json --step-plot docs/gpu_decode_step.png
 """
 
 from __future__ import annotations
@@ -27,10 +29,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("json", nargs="+", help="suite JSON files; later files override earlier sections")
     ap.add_argument("--plot")
+    ap.add_argument("--step-plot")
     args = ap.parse_args()
     data: dict[str, Any] = {}
     for f in args.json:
         data.update({k: v for k, v in json.loads(Path(f).read_text()).items() if v})
+    if args.step_plot:
+        step_plot(data["staged_mma_timeline"], args.step_plot)
+        if "seed407m" not in data:
+            return
     RESULTS_ENV.update(data.get("env", {"copy_bandwidth_TBps": 4.15}))
     seed = data["seed407m"]
     i4, f16 = seed["int4"], seed["fp16_body"]
@@ -67,6 +74,45 @@ def main() -> None:
         fig.tight_layout()
         fig.savefig(args.plot, dpi=120)
         print("wrote", args.plot)
+
+
+# Kernel names of a decode step's timeline, grouped as the step plot shows them.
+STEP_GROUPS = {
+    "_gemv_int4_staged_kernel": "QKV + gate/up GEMVs (staged)",
+    "_gemv_int4_staged_mma_kernel": "QKV + gate/up GEMVs (staged)",
+    "_gemv_int4_gluon_kernel": "out + down + head GEMVs",
+    "_rope_attention_kernel": "RoPE + attention",
+}
+
+
+def step_plot(timelines: dict[str, Any], path: str) -> None:
+    """One stacked bar per setting: µs each kernel group adds to a seed-407m decode step (launches x mean)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [*dict.fromkeys(STEP_GROUPS.values()), "other (loop adds, embedding, copies)"]
+    settings = list(timelines)
+    totals = {g: [0.0] * len(settings) for g in groups}
+    for i, setting in enumerate(settings):
+        for name, (launches, _duration, adds) in timelines[setting]["by_kernel"].items():
+            totals[STEP_GROUPS.get(name, groups[-1])][i] += launches * adds
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    left = [0.0] * len(settings)
+    for g in groups:
+        ax.barh(settings, totals[g], left=left, label=g)
+        left = [a + b for a, b in zip(left, totals[g], strict=True)]
+    for i, total in enumerate(left):
+        ax.text(total + 10, i, f"{total:.0f} µs", va="center")
+    ax.set_xlabel("µs a decode step (seed-407m, loops 8, batch 1)")
+    ax.set_xlim(0, max(left) * 1.15)
+    ax.invert_yaxis()
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
+    ax.set_title("Where a decode step goes (H200; each kernel's end minus the previous one's)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print("wrote", path)
 
 
 if __name__ == "__main__":
