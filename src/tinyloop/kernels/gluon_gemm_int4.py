@@ -15,20 +15,16 @@ Triton can build it.
 from __future__ import annotations
 
 from tinyloop.kernels.gluon_gemv import _jit, gl
+from tinyloop.kernels.gluon_hopper import (
+    HOPPER_IMPORT_ERROR,
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
-try:  # Gluon is experimental: these modules move between Triton releases
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
-    _IMPORT_ERROR: str | None = None
-except Exception as exc:  # pragma: no cover - depends on the installed Triton
-    fence_async_shared = mbarrier = tma = warpgroup_mma = warpgroup_mma_wait = None
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+_IMPORT_ERROR = HOPPER_IMPORT_ERROR
 
 GROUP_SIZE = 64  # columns per step: one quantization group (quant.BlockedInt4Weight's 64-column blocks)
 GROUP = gl.constexpr(GROUP_SIZE) if gl is not None else GROUP_SIZE

@@ -72,6 +72,27 @@ def _launch_dependents():
 
 
 @_jit
+def _pdl_wait(PDL: gl.constexpr):
+    """Programmatic dependent launch: wait until the previous kernel's writes are visible. PDL 1 then lets the
+    next kernel launch, 2 lets it launch before the wait, 3 leaves that to `_pdl_end` after the kernel's stores.
+    A no-op without PDL (0). As in triton_pdl, nothing read before it may be written by a kernel of the step."""
+    if PDL == 2:
+        _launch_dependents()
+        _wait_for_previous_kernel()
+    elif PDL:
+        _wait_for_previous_kernel()
+        if PDL == 1:
+            _launch_dependents()
+
+
+@_jit
+def _pdl_end(PDL: gl.constexpr):
+    """With PDL 3, let the next kernel launch now (at the end of the kernel)."""
+    if PDL == 3:
+        _launch_dependents()
+
+
+@_jit
 def _load_tile(w_tile, g_tile, s_ptr, m_ptr, kb, blk3, blk2, row_mask3, row_mask2, n_blocks, fetch, EVEN: gl.constexpr):
     """Words [rows, blocks, 8] of blocks kb.. (w_tile: their pointers for kb = 0) and their scales and
     minimums [rows, blocks] (g_tile: offsets for kb = 0). `fetch` false: nothing is read. Words of masked-off
@@ -147,14 +168,7 @@ def _gemv_int4_gluon_kernel(
         words_up, s_up, mn_up = _load_tile(w_tile + up_w, g_tile + up_g, s_ptr, m_ptr, 0, blk3, blk2, row_mask3,
                                            row_mask2, n_blocks, n_blocks > 0, EVEN)  # fmt: skip
     # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait.
-    # (PDL 3: the next kernel launches after this program's stores, at the end.)
-    if PDL == 2:  # as triton_pdl._wait_for_previous_kernel
-        _launch_dependents()
-        _wait_for_previous_kernel()
-    elif PDL:
-        _wait_for_previous_kernel()
-        if PDL == 1:
-            _launch_dependents()
+    _pdl_wait(PDL)
 
     acc = gl.zeros([BN, BB], gl.float32, layout=L2)
     acc_up = gl.zeros([BN, BB], gl.float32, layout=L2)
@@ -209,8 +223,7 @@ def _gemv_int4_gluon_kernel(
         y_up = y_up * rstd
     bias, res = _load_bias_residual(rows, N, b_ptr, res_ptr, BIAS, RESIDUAL)
     _store_rows(y, y_up, rows, N, out_ptr, bias, res, BIAS, ACT, RESIDUAL)
-    if PDL == 3:
-        _launch_dependents()
+    _pdl_end(PDL)
 
 
 @_jit

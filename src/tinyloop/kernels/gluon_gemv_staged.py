@@ -21,21 +21,16 @@ import triton.language as tl
 
 from tinyloop.kernels.gluon_gemv import (
     _jit,
-    _launch_dependents,
     _load_bias_residual,
     _nibble_as_float,
+    _pdl_end,
+    _pdl_wait,
     _store_rows,
-    _wait_for_previous_kernel,
     gl,
 )
+from tinyloop.kernels.gluon_hopper import HOPPER_IMPORT_ERROR, fence_async_shared, mbarrier, tma
 
-try:  # Gluon is experimental: these modules move between Triton releases
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-
-    _IMPORT_ERROR: str | None = None
-except Exception as exc:  # pragma: no cover - depends on the installed Triton
-    fence_async_shared = mbarrier = tma = None
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+_IMPORT_ERROR = HOPPER_IMPORT_ERROR
 
 # 64-column blocks per TMA box along K: a box side holds at most 256 elements (32 blocks x 8 words).
 CHUNK_BLOCKS = 32
@@ -111,13 +106,7 @@ def _stage_weights(w_desc, s_desc, m_desc, row0, N, BN: gl.constexpr, TILES: gl.
                 tma.async_copy_global_to_shared(w_desc, [r, c * _CHUNK, 0], bars.index(t), w_smem.index(i))
                 tma.async_copy_global_to_shared(s_desc, [r, c * _CHUNK], bars.index(t), s_smem.index(i))
                 tma.async_copy_global_to_shared(m_desc, [r, c * _CHUNK], bars.index(t), m_smem.index(i))
-    if PDL == 2:  # the next kernel may start now and stage its own weights
-        _launch_dependents()
-        _wait_for_previous_kernel()
-    elif PDL:
-        _wait_for_previous_kernel()
-        if PDL == 1:
-            _launch_dependents()
+    _pdl_wait(PDL)  # PDL 2: the next kernel may start now and stage its own weights
     return w_smem, s_smem, m_smem, bars
 
 
@@ -126,8 +115,7 @@ def _release(bars, TILES: gl.constexpr, PDL: gl.constexpr):
     """The tiles' barriers, invalidated at the program's end; with PDL 3 the next kernel may launch now."""
     for t in gl.static_range(TILES):
         mbarrier.invalidate(bars.index(t))
-    if PDL == 3:
-        _launch_dependents()
+    _pdl_end(PDL)
 
 
 @_jit

@@ -21,15 +21,9 @@ import triton.language as tl
 
 from tinyloop.kernels.gluon_gemv import _jit, _load_bias_residual, _store_rows, gl
 from tinyloop.kernels.gluon_gemv_staged import _release, _stage_weights
+from tinyloop.kernels.gluon_hopper import HOPPER_IMPORT_ERROR, MMA_V2_IMPORT_ERROR, mbarrier, mma_v2, tma
 
-try:  # Gluon is experimental: these modules move between Triton releases
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
-
-    _IMPORT_ERROR: str | None = None
-except Exception as exc:  # pragma: no cover - depends on the installed Triton
-    mma_v2 = mbarrier = tma = None
-    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
+_IMPORT_ERROR = HOPPER_IMPORT_ERROR or MMA_V2_IMPORT_ERROR
 
 # 64-column blocks per mma step (the mma's 8 columns); K must be a whole number of steps.
 STEP_BLOCKS = 8
