@@ -537,6 +537,25 @@ print("staged smoke ok", cuda_ops.USE_STAGED_GEMV, float((y.double().cpu() - ref
 """
 
 
+def _one_row_alone(settings: dict[str, dict[str, Any]], shapes: tuple[str, ...], label: str) -> dict[str, Any]:
+    """One bf16 row times each named seed-407m shape under each setting of cuda_ops switches, alone: copies
+    streamed from DRAM, back to back in a graph (`time_cycling`). {shape: {setting: timing}}."""
+    alone: dict[str, Any] = {}
+    gen_cuda = torch.Generator(device="cuda").manual_seed(0)
+    for name in shapes:
+        n, k, act = SEED_SHAPES[name]
+        ws = random_int4_copies(2 * n if act == 1 else n, k, gen_cuda)
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        alone[name] = {}
+        for setting, switches in settings.items():
+            _apply(switches)
+            alone[name][setting] = time_cycling(x, ws, act)
+        print(label, name, {c: round(v["us"], 2) for c, v in alone[name].items()}, flush=True)
+        del ws
+        torch.cuda.empty_cache()
+    return alone
+
+
 def _staged_smoke(mma: bool) -> dict[str, Any]:
     """STAGED_SMOKE in a child process (a wrong barrier count would hang, not fail): its exit status and output."""
     try:
@@ -568,18 +587,7 @@ def staged_section() -> dict[str, Any]:
     settings["gluon"] = {**on, "USE_STAGED_GEMV": False}
     settings["triton"] = {"USE_STAGED_GEMV": False, "USE_GLUON_GEMV": False}
     res["checks"] = _one_row_checks(settings)
-    res["alone"] = {}
-    gen_cuda = torch.Generator(device="cuda").manual_seed(0)
-    for name, (n, k, act) in SEED_SHAPES.items():
-        ws = random_int4_copies(2 * n if act == 1 else n, k, gen_cuda)
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        res["alone"][name] = {}
-        for setting, switches in settings.items():
-            _apply(switches)
-            res["alone"][name][setting] = time_cycling(x, ws, act)
-        print("staged alone", name, {c: round(v["us"], 2) for c, v in res["alone"][name].items()}, flush=True)
-        del ws
-        torch.cuda.empty_cache()
+    res["alone"] = _one_row_alone(settings, tuple(SEED_SHAPES), "staged alone")
     cuda_ops.STAGED_LAYOUT = STAGED_LAYOUTS[0]
     wait_for_models(SEED_PATH)
     res.update(_fresh_chain_ab("TINYLOOP_DISABLE_STAGED_GEMV", "gluon", "staged"))
@@ -667,19 +675,7 @@ def staged_mma_section() -> dict[str, Any]:
                 "staged": {**committed, "STAGED_MMA_SHAPES": frozenset(), "STAGED_SHAPES": None},
                 "gluon": {**committed, "USE_STAGED_GEMV": False}}  # fmt: skip
     res["checks"] = _one_row_checks(settings)
-    res["alone"] = {}
-    gen_cuda = torch.Generator(device="cuda").manual_seed(0)
-    for name in ("qkv", "out", "gate_up", "down"):
-        n, k, act = SEED_SHAPES[name]
-        ws = random_int4_copies(2 * n if act == 1 else n, k, gen_cuda)
-        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        res["alone"][name] = {}
-        for setting, switches in settings.items():
-            _apply(switches)
-            res["alone"][name][setting] = time_cycling(x, ws, act)
-        print("staged mma alone", name, {c: round(v["us"], 2) for c, v in res["alone"][name].items()}, flush=True)
-        del ws
-        torch.cuda.empty_cache()
+    res["alone"] = _one_row_alone(settings, ("qkv", "out", "gate_up", "down"), "staged mma alone")
     staged = {**committed, "STAGED_SHAPES": frozenset({QKV_SHAPE, GATE_UP_SHAPE})}
     policies = {"committed": committed, "cuda cores": {**staged, "STAGED_MMA_SHAPES": frozenset()},
                 "mma gate_up": {**staged, "STAGED_MMA_SHAPES": frozenset({GATE_UP_SHAPE})},
