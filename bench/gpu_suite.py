@@ -1200,13 +1200,17 @@ def int4_gemm_section() -> dict[str, Any]:
 
 
 GLUON_GEMM_ROWS = (128, 1024)
-GLUON_GEMM_CANDIDATES = [(64, 64, 4, 4), (128, 64, 4, 4), (128, 64, 8, 4), (64, 128, 4, 4), (128, 128, 8, 3),
-                         (128, 128, 4, 3), (64, 64, 4, 6)]  # fmt: skip
+# (BLOCK_M, warps, stages, split_k; 0: the launcher's split), BLOCK_N = 16 weight rows per warp.
+GLUON_GEMM_CANDIDATES = [(128, 4, 4, 0), (128, 4, 4, 1), (128, 4, 6, 0), (64, 4, 4, 0), (128, 8, 4, 0),
+                         (128, 8, 3, 1), (256, 4, 3, 0), (64, 4, 6, 2)]  # fmt: skip
 # (N, K, rows, bias, residual, dtype) of the Gluon INT4 GEMM's checks: seed-407m shapes, partial tiles in N and M.
 BF16, FP16 = torch.bfloat16, torch.float16
 GLUON_GEMM_CASES = [(6144, 2048, 128, False, False, BF16), (2048, 2048, 128, False, True, BF16),
                     (11264, 2048, 128, False, False, BF16), (2048, 5632, 300, False, True, BF16),
-                    (1000, 1536, 77, True, False, BF16), (6144, 2048, 1024, False, False, FP16)]  # fmt: skip
+                    (1000, 1536, 77, True, False, BF16), (6144, 2048, 1024, False, False, FP16),
+                    (2048, 2048, 128, False, True, FP16)]  # fmt: skip
+# Tiles forced for the checks besides the launcher's default: K split 3 ways (uneven: 32 groups), 8 warps.
+GLUON_GEMM_CHECK_TILES = [None, (128, 4, 4, 3), (64, 8, 4, 1)]
 # One Gluon INT4 GEMM call in a child process (a wrong barrier phase would hang, not fail).
 GLUON_GEMM_SMOKE = """
 import torch
@@ -1223,7 +1227,9 @@ print("gluon gemm smoke ok", float((y.double().cpu() - ref).norm() / ref.norm())
 
 
 def _gluon_gemm_checks() -> dict[str, dict[str, float]]:
-    """`_product` through the Gluon INT4 GEMM and through cuBLAS, each against float64 (no rounding on the way)."""
+    """`_product` through the Gluon INT4 GEMM (its default tile, then each GLUON_GEMM_CHECK_TILES tile) and
+    through cuBLAS, each against float64 (no rounding on the way); split-K cases run twice (the workspace and
+    counters must be back to zero after a call)."""
     gen = torch.Generator().manual_seed(7)
     res = {}
     for n, k, rows, bias, resid, dt in GLUON_GEMM_CASES:
@@ -1234,15 +1240,27 @@ def _gluon_gemm_checks() -> dict[str, dict[str, float]]:
         r = torch.randn(rows, n, generator=gen).to(dt) if resid else None
         ref = x.double() @ q.dequantize().double().T
         ref = ref + (b.double() if b is not None else 0) + (r.double() if r is not None else 0)
-        got = {}
-        for on in (True, False):
-            cuda_ops.USE_GLUON_GEMM = on
-            got[on] = cuda_ops._product(x.cuda(), w, None if b is None else b.cuda(), None if r is None else r.cuda(),
-                                        None).double().cpu()  # fmt: skip
-        key = f"{n}x{k} rows={rows} bias{int(bias)} res{int(resid)} {str(dt)[6:]}"
-        res[key] = {"gluon_vs_f64": rel(got[True], ref), "cublas_vs_f64": rel(got[False], ref),
-                    "gluon_vs_cublas": rel(got[True], got[False])}  # fmt: skip
-        print("gluon gemm check", key, {c: f"{v:.2e}" for c, v in res[key].items()}, flush=True)
+
+        def product(x: torch.Tensor = x, w: BlockedInt4Weight = w, b: Any = b, r: Any = r) -> torch.Tensor:
+            return cuda_ops._product(x.cuda(), w, None if b is None else b.cuda(), None if r is None else r.cuda(),
+                                     None).double().cpu()  # fmt: skip
+
+        cuda_ops.USE_GLUON_GEMM = False
+        cublas = product()
+        cuda_ops.USE_GLUON_GEMM = True
+        key = (n, k, 1 << (rows - 1).bit_length())
+        for tile in GLUON_GEMM_CHECK_TILES:
+            if tile is None:
+                cuda_ops.GLUON_GEMM_CONFIGS.pop(key, None)
+            else:
+                cuda_ops.GLUON_GEMM_CONFIGS[key] = tile
+            got = [product() for _ in range(2)]
+            name = f"{n}x{k} rows={rows} bias{int(bias)} res{int(resid)} {str(dt)[6:]} tile={tile or 'default'}"
+            res[name] = {"gluon_vs_f64": rel(got[0], ref), "cublas_vs_f64": rel(cublas, ref),
+                         "gluon_vs_cublas": rel(got[0], cublas), "second_call_vs_first": rel(got[1], got[0])}
+            print("gluon gemm check", name, {c: f"{v:.2e}" for c, v in res[name].items()}, flush=True)
+        cuda_ops.GLUON_GEMM_CONFIGS.pop(key, None)
+    cuda_ops.USE_GLUON_GEMM = False
     return res
 
 

@@ -48,7 +48,8 @@ class _Float64Gemm:
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
         def launch(x_desc: Any, w_desc: Any, s: torch.Tensor, mn: torch.Tensor, out: torch.Tensor,
-                   res: torch.Tensor, b: torch.Tensor, M: int, N: int, K: int, *_: int, **kw: Any) -> None:  # fmt: skip
+                   res: torch.Tensor, b: torch.Tensor, ws: torch.Tensor, count: torch.Tensor, M: int, N: int, K: int,
+                   *_: int, **kw: Any) -> None:  # fmt: skip
             w = BlockedInt4Weight(w_desc.base.view(torch.uint8).view(N, K // 2), s, mn, 64)
             y = x_desc.base.double() @ w.dequantize().double().T
             if kw["BIAS"]:

@@ -627,7 +627,8 @@ def _product(
 # GLUON_GEMM_MAX_ROWS rows (beyond, cuBLAS's compute-bound tiles win).
 USE_GLUON_GEMM = False
 GLUON_GEMM_MAX_ROWS = 512
-# (N, K, rows rounded up to a power of two) -> (BLOCK_M, BLOCK_N, warps, stages); filled by benchmark sweeps.
+# (N, K, rows rounded up to a power of two) -> (BLOCK_M, warps, stages, split_k); BLOCK_N is 16 rows per warp.
+# Filled by benchmark sweeps; split_k 0 picks enough K splits to give every SM a program.
 GLUON_GEMM_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
 
 
@@ -635,7 +636,37 @@ def _gluon_gemm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
     key = (n, k, triton.next_power_of_2(rows))
     if key in GLUON_GEMM_CONFIGS:
         return GLUON_GEMM_CONFIGS[key]
-    return (64 if rows <= 64 else 128), 64, 4, 4
+    return (64 if rows <= 64 else 128), 4, 4, 0
+
+
+def _gluon_gemm_split(tiles: int, groups: int, split_k: int, sms: int) -> int:
+    """K splits per output tile: `split_k`, or (0) as many as fill `sms` SMs with at least 4 groups each; never
+    one that leaves a split without a group (every split must arrive at the tile's counter)."""
+    if split_k <= 0:
+        split_k = max(1, min(sms // max(tiles, 1), groups // 4))
+    split_k = max(1, min(split_k, groups))
+    while split_k > 1 and (split_k - 1) * triton.cdiv(groups, split_k) >= groups:
+        split_k -= 1
+    return split_k
+
+
+# Split-K scratch per device: a float32 workspace (zero between calls) and per-tile arrival counters (zero
+# between calls); each call's last program per tile restores both. Grown outside CUDA graph capture only.
+_GLUON_GEMM_SCRATCH: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _gluon_gemm_scratch(device: torch.device, elements: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    have = _GLUON_GEMM_SCRATCH.get(device)
+    if have is not None and have[0].numel() >= elements and have[1].numel() >= tiles:
+        return have
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    ws_size = max(elements, have[0].numel() if have else 0)
+    count_size = max(tiles, have[1].numel() if have else 0)
+    have = (torch.zeros(ws_size, dtype=torch.float32, device=device),
+            torch.zeros(count_size, dtype=torch.int32, device=device))  # fmt: skip
+    _GLUON_GEMM_SCRATCH[device] = have
+    return have
 
 
 def _gluon_gemm_applies(h: torch.Tensor, w: BlockedInt4Weight) -> bool:
@@ -654,11 +685,19 @@ def _gemm_int4_gluon(
     from triton.experimental.gluon.language import NVMMASharedLayout, bfloat16, float16, int32
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from tinyloop.kernels.gluon_gemm_int4 import GROUP_SIZE, _gemm_int4_kernel
+    from tinyloop.kernels.gluon_gemm_int4 import GROUP_SIZE, ROWS_PER_WARP, _gemm_int4_kernel
 
     M, K = h.shape
     N = w.shape[0]
-    block_m, block_n, warps, stages = _gluon_gemm_config(N, K, M)
+    block_m, warps, stages, split_k = _gluon_gemm_config(N, K, M)
+    block_n = ROWS_PER_WARP * warps
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+    sms = _sm_count(h.device.index or 0) if h.is_cuda else 1
+    split_k = _gluon_gemm_split(tiles, K // GROUP_SIZE, split_k, sms)
+    scratch = _gluon_gemm_scratch(h.device, M * N, tiles) if split_k > 1 else None
+    if scratch is None:
+        split_k = 1
+        scratch = (out, out)
     x_dtype = bfloat16 if h.dtype == torch.bfloat16 else float16
     x_layout = NVMMASharedLayout.get_default_for([block_m, GROUP_SIZE], x_dtype)
     w_layout = NVMMASharedLayout.get_default_for([block_n, GROUP_SIZE // 8], int32)
@@ -666,9 +705,10 @@ def _gemm_int4_gluon(
     x_desc = TensorDescriptor(h, [M, K], [K, 1], [block_m, GROUP_SIZE], x_layout)
     w_desc = TensorDescriptor(words, [N, K // 8], [K // 8, 1], [block_n, GROUP_SIZE // 8], w_layout)
     res = residual if residual is not None else out
-    _gemm_int4_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
-        x_desc, w_desc, w.scale, w.minimum, out, res, b if b is not None else out, M, N, K, out.stride(0),
-        res.stride(0), BIAS=b is not None, RESIDUAL=residual is not None, STAGES=stages, num_warps=warps,
+    _gemm_int4_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m), split_k)](
+        x_desc, w_desc, w.scale, w.minimum, out, res, b if b is not None else out, scratch[0], scratch[1], M, N, K,
+        out.stride(0), res.stride(0), BIAS=b is not None, RESIDUAL=residual is not None, STAGES=stages,
+        SPLIT_K=split_k, num_warps=warps,
     )  # fmt: skip
     return out
 

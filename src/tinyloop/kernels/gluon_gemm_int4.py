@@ -1,11 +1,15 @@
 """Gluon GEMM for tens to hundreds of rows times a blocked INT4 matrix (a short prefill), on Hopper's wgmma.
 
-Why: at 128 rows cuBLAS on the dequantized 16-bit weight streams 4x the bytes of the INT4 words, and Triton's
-own pipelined INT4 GEMM (`triton_matmul._gemm_blocked_int4_kernel`) waits on each tile's dequantization before
-its MMA (session 10: 2-3x slower than cuBLAS). Here the order is written down: x tiles and weight words arrive
-by TMA STAGES steps ahead; each step's 64 columns (one quantization group) are dequantized from shared memory
-into registers (q * scale + minimum in float32, rounded to the compute dtype, as `dequantize_int4` does) and
-stored into one of two 16-bit tiles, and the step's wgmma runs asynchronously while the next step dequantizes.
+Why: at 128 rows cuBLAS on the dequantized 16-bit weight streams 4x the bytes of the INT4 words. Here the
+weight is the wgmma's A operand straight from registers: out^T = W x^T, a program owning BLOCK_N weight rows
+(16 per warp) and BLOCK_M rows of x (the wgmma's N). x tiles and the weight's words arrive by TMA STAGES
+64-column steps ahead; each thread turns two words of a row into the A registers of its mma fragment with four
+instructions per pair of weights: a byte permute (PRMT) puts the two words' nibbles of one column pair side by
+side, a LOP3 makes them the 16-bit floats magic + q (exact), and two packed FMAs give q and q * scale +
+minimum, rounded once to x's dtype (float16 scales are exact in float16; for bfloat16 x they are rounded to
+bfloat16 first, the one difference from dequantize_int4). The step's wgmma runs asynchronously while the next
+step dequantizes. SPLIT_K programs may share an output tile: each adds its K range into a float32 workspace,
+and the last to arrive (a per-tile counter, reset for the next call) finishes the tile.
 
 out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) (+ residual[m, n]), accumulated in float32 and rounded once,
 as cuBLAS's addmm rounds. CUDA with TMA and wgmma (Hopper) only; `available()` says whether the installed
@@ -14,20 +18,37 @@ Triton can build it.
 
 from __future__ import annotations
 
+import triton.language as tl
+
 from tinyloop.kernels.gluon_gemv import _jit, gl
-from tinyloop.kernels.gluon_hopper import (
-    HOPPER_IMPORT_ERROR,
-    fence_async_shared,
-    mbarrier,
-    tma,
-    warpgroup_mma,
-    warpgroup_mma_wait,
-)
+from tinyloop.kernels.gluon_hopper import HOPPER_IMPORT_ERROR, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 _IMPORT_ERROR = HOPPER_IMPORT_ERROR
 
 GROUP_SIZE = 64  # columns per step: one quantization group (quant.BlockedInt4Weight's 64-column blocks)
 GROUP = gl.constexpr(GROUP_SIZE) if gl is not None else GROUP_SIZE
+ROWS_PER_WARP = 16  # weight rows per warp: one mma fragment's rows
+
+
+def _pair_asm(kk: int, odd: int, fp16: bool) -> str:
+    """Two words (column 8 j + i of a 64-column step is nibble j of word i; the words here are i = 2 t and
+    2 t + 1) -> the 16-bit pair (column 16 kk + 8 odd + 2 t, the next column) as q * scale + minimum.
+    $1, $2: the words; $3, $4: scale and minimum, each twice in one register."""
+    magic, one, neg_magic, kind = (
+        ("0x64006400", "0x3C003C00", "0xE400E400", "f16x2") if fp16 else ("0x43004300", "0x3F803F80", "0xC300C300", "bf16x2")
+    )  # fmt: skip
+    select = kk | kk << 4 | (4 + kk) << 8 | (4 + kk) << 12  # byte kk of each word to bytes 0-1 / 2-3
+    shift = "shr.u32 t, t, 4; " if odd else ""
+    return (
+        f"{{ .reg .b32 t, q, one, neg; mov.b32 one, {one}; mov.b32 neg, {neg_magic}; "
+        f"prmt.b32 t, $1, $2, {select:#06x}; {shift}"
+        f"lop3.b32 q, t, 0x000F000F, {magic}, 0xea; "
+        f"fma.rn.{kind} q, q, one, neg; fma.rn.{kind} $0, q, $3, $4; }}"
+    )
+
+
+_PAIRS_BF16 = tl.constexpr(tuple(_pair_asm(c // 2, c % 2, False) for c in range(8)))
+_PAIRS_FP16 = tl.constexpr(tuple(_pair_asm(c // 2, c % 2, True) for c in range(8)))
 
 
 def available() -> bool:
@@ -37,6 +58,43 @@ def available() -> bool:
 def applies(k: int, group_size: int, x_dtype_bytes: int) -> bool:
     """16-bit x, 64-column groups, and K a whole number of groups."""
     return x_dtype_bytes == 2 and group_size == GROUP_SIZE and k > 0 and k % GROUP_SIZE == 0
+
+
+def words_layout_bases(block_n: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
+    """Register, lane and warp bases of a [BLOCK_N, 8] words tile laid out like the wgmma A fragment: lane
+    4 g + t of warp w holds words 2 t and 2 t + 1 of rows 16 w + g and 16 w + g + 8."""
+    warps = [[ROWS_PER_WARP << b, 0] for b in range((block_n // ROWS_PER_WARP).bit_length() - 1)]
+    return [[0, 1], [8, 0]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warps
+
+
+@_jit
+def _pair(w3, s3, m3, C: gl.constexpr, FP16: gl.constexpr):
+    if FP16:
+        pair = gl.inline_asm_elementwise(_PAIRS_FP16[C], "=r,r,r,r,r", [w3, s3, m3], dtype=gl.float16, is_pure=True,
+                                         pack=2)  # fmt: skip
+    else:
+        pair = gl.inline_asm_elementwise(_PAIRS_BF16[C], "=r,r,r,r,r", [w3, s3, m3], dtype=gl.bfloat16, is_pure=True,
+                                         pack=2)  # fmt: skip
+    return pair
+
+
+@_jit
+def _a_operand(words, s, mn, WL3: gl.constexpr, A_L: gl.constexpr, FP16: gl.constexpr):
+    """Words [BN, 8] (words layout) and per-row scale / minimum [BN] (16-bit, its row slice) -> the 16-bit
+    weights [BN, 64] in the wgmma A layout. Every step but the arithmetic is register renaming."""
+    BN: gl.constexpr = words.shape[0]
+    w3 = gl.convert_layout(gl.reshape(words, [BN, 4, 2]), WL3, assert_trivial=True)  # [row, t, word 2 t + e]
+    s3 = gl.expand_dims(gl.expand_dims(s, 1), 2)
+    m3 = gl.expand_dims(gl.expand_dims(mn, 1), 2)
+    d = gl.join(
+        gl.join(gl.join(_pair(w3, s3, m3, 0, FP16), _pair(w3, s3, m3, 1, FP16)),
+                gl.join(_pair(w3, s3, m3, 2, FP16), _pair(w3, s3, m3, 3, FP16))),
+        gl.join(gl.join(_pair(w3, s3, m3, 4, FP16), _pair(w3, s3, m3, 5, FP16)),
+                gl.join(_pair(w3, s3, m3, 6, FP16), _pair(w3, s3, m3, 7, FP16))),
+    )  # fmt: skip
+    # [row, t, e, odd, kk_lo, kk_hi] -> column 32 kk_hi + 16 kk_lo + 8 odd + 2 t + e
+    d = gl.permute(d, [0, 5, 4, 3, 1, 2])
+    return gl.convert_layout(gl.reshape(d, [BN, GROUP]), A_L, assert_trivial=True)
 
 
 @_jit
@@ -49,39 +107,25 @@ def _issue_step(x_desc, w_desc, x_smem, w_smem, bars, step, slot, row0, col0):
 
 
 @_jit
-def _dequantize(words, s, mn, dt, WL3: gl.constexpr):
-    """Words [BN, 8] (word i: column 8 j + i in nibble j) -> the 16-bit weights [BN, 64] in column order."""
-    shifts = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(2, WL3))) * 4
-    w3 = gl.expand_dims(gl.convert_layout(words, gl.SliceLayout(1, WL3)), 1)  # [BN, 1 (j), 8 (i)]
-    q = (w3 >> gl.expand_dims(gl.expand_dims(shifts, 0), 2)) & 0xF  # [BN, 8 (j), 8 (i)]
-    qf = (q | 0x4B000000).to(gl.float32, bitcast=True) - 8388608.0
-    s3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(s, gl.SliceLayout(1, gl.SliceLayout(2, WL3))), 1), 2)
-    m3 = gl.expand_dims(gl.expand_dims(gl.convert_layout(mn, gl.SliceLayout(1, gl.SliceLayout(2, WL3))), 1), 2)
-    return gl.reshape((qf * s3 + m3).to(dt), [words.shape[0], GROUP])
+def _scales(s_ptrs, m_ptrs, step, mask, dt: gl.constexpr):
+    return gl.load(s_ptrs + step, mask=mask, other=0.0).to(dt), gl.load(m_ptrs + step, mask=mask, other=0.0).to(dt)
 
 
 @_jit
-def _step(x_desc, w_desc, x_smem, w_smem, b_smem, bars, acc, s, mn, step, steps, row0, col0, dt: gl.constexpr,
-          WL: gl.constexpr, WL3: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
-    """One 64-column step: wait for its TMA, dequantize its words into 16-bit tile step % 2, start its wgmma,
-    wait for the previous step's (whose x slot and 16-bit tile are then free), and ask for step + STAGES - 1."""
-    slot = step % STAGES
-    mbarrier.wait(bars.index(slot), (step // STAGES) & 1)
-    words = w_smem.index(slot).load(WL)
-    b = _dequantize(words, s, mn, dt, WL3)
-    # Every warp past its previous step's wgmma wait: with two warpgroups, the other one's wgmma of two steps
-    # ago may still read this tile until then.
-    gl.thread_barrier()
-    b_tile = b_smem.index(step % 2)
-    b_tile.store(b)
-    fence_async_shared()
-    gl.thread_barrier()  # every warp's part of the tile written before the warpgroup's wgmma reads it
-    acc = warpgroup_mma(x_smem.index(slot), b_tile.permute((1, 0)), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-    ahead = step + STAGES - 1
-    if ahead < steps:
-        _issue_step(x_desc, w_desc, x_smem, w_smem, bars, ahead, ahead % STAGES, row0, col0)
-    return acc
+def _step(x_desc, w_desc, x_smem, w_smem, bars, acc, a_prev, s, mn, i, first, last, row0, col0,
+          WL: gl.constexpr, WL3: gl.constexpr, A_L: gl.constexpr, STAGES: gl.constexpr, FP16: gl.constexpr):  # fmt: skip
+    """Step i of this program's range [first, last): wait for its TMA, dequantize its words into A registers,
+    start its wgmma, wait for the previous step's (whose x slot and A registers are then free), and ask for step
+    i + STAGES - 1 into that slot."""
+    slot = (i - first) % STAGES
+    mbarrier.wait(bars.index(slot), ((i - first) // STAGES) & 1)
+    a = _a_operand(w_smem.index(slot).load(WL), s, mn, WL3, A_L, FP16)
+    acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+    ahead = i + STAGES - 1
+    if ahead < last:
+        _issue_step(x_desc, w_desc, x_smem, w_smem, bars, ahead, (ahead - first) % STAGES, row0, col0)
+    return acc, a
 
 
 @_jit
@@ -93,6 +137,8 @@ def _gemm_int4_kernel(
     out_ptr,
     res_ptr,
     b_ptr,
+    ws_ptr,
+    count_ptr,
     M,
     N,
     K,
@@ -101,69 +147,110 @@ def _gemm_int4_kernel(
     BIAS: gl.constexpr,
     RESIDUAL: gl.constexpr,
     STAGES: gl.constexpr,
+    SPLIT_K: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """Program (n, m): out rows m BM.., columns n BN.. (BM, BN from the descriptors' boxes: x [BM, 64], words
-    [BN, 8])."""
+    """Program (n, m, split): weight rows n BN.. (16 per warp) times x rows m BM.. over the split's share of
+    the 64-column steps (BM, BN from the descriptors' boxes: x [BM, 64], words [BN, 8])."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     dt: gl.constexpr = x_desc.dtype
+    FP16: gl.constexpr = dt == gl.float16
     col0 = gl.program_id(0) * BN
     row0 = gl.program_id(1) * BM
-    steps = K // GROUP
     n_groups = K // GROUP
+    per_split = gl.cdiv(n_groups, SPLIT_K)
+    first = gl.program_id(2) * per_split
+    last = gl.minimum(first + per_split, n_groups)
 
     x_smem = gl.allocate_shared_memory(dt, [STAGES, BM, GROUP], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], w_desc.layout)
-    b_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, GROUP], dt)
-    b_smem = gl.allocate_shared_memory(dt, [2, BN, GROUP], b_layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
     for i in gl.static_range(STAGES - 1):
-        if i < steps:
-            _issue_step(x_desc, w_desc, x_smem, w_smem, bars, i, i, row0, col0)
+        if first + i < last:
+            _issue_step(x_desc, w_desc, x_smem, w_smem, bars, first + i, i, row0, col0)
 
-    # The accumulator: warps along M first (a warpgroup covers 64 rows), then along N.
-    WM: gl.constexpr = 4 if BM <= 64 else num_warps
-    WN: gl.constexpr = num_warps // WM
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[WM, WN], instr_shape=[16, BN // WN, 16]
+        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 16]
     )
-    acc = gl.zeros([BM, BN], gl.float32, layout=acc_layout)
-    # Dequantization: TPR threads share a weight row, each with 8 / TPR of its words x 8 nibbles ([BN, 8 (j),
-    # 8 (i)]), so that no thread repeats another's row when the tile has fewer rows than the program threads.
-    TPR: gl.constexpr = 1 if BN >= 32 * num_warps else (32 * num_warps) // BN
-    WL3: gl.constexpr = gl.BlockedLayout([1, 8, 8 // TPR], [32 // TPR, 1, TPR], [num_warps, 1, 1], [2, 1, 0])
-    WL: gl.constexpr = gl.SliceLayout(1, WL3)  # words [BN, 8]
-    SL: gl.constexpr = gl.SliceLayout(1, WL)  # one value per weight row
-    rows_n = col0 + gl.arange(0, BN, layout=SL)
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    # The words as the A fragment wants them (words_layout_bases, written out: constexpr lists only), as [BN,
+    # 8] for the shared-memory load and as [BN, 4 (t), 2 (e)] for the pairs.
+    if num_warps == 4:
+        WL: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [8, 0]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                                      [[16, 0], [32, 0]], [], [BN, GROUP // 8])  # fmt: skip
+        WL3: gl.constexpr = gl.DistributedLinearLayout(
+            [[0, 0, 1], [8, 0, 0]], [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            [[16, 0, 0], [32, 0, 0]], [], [BN, 4, 2])  # fmt: skip
+    else:
+        WL: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [8, 0]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                                      [[16, 0], [32, 0], [64, 0]], [], [BN, GROUP // 8])  # fmt: skip
+        WL3: gl.constexpr = gl.DistributedLinearLayout(
+            [[0, 0, 1], [8, 0, 0]], [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            [[16, 0, 0], [32, 0, 0], [64, 0, 0]], [], [BN, 4, 2])  # fmt: skip
+    rows_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL3)))
     n_mask = rows_n < N
     s_ptrs = s_ptr + rows_n * n_groups
     m_ptrs = m_ptr + rows_n * n_groups
-    s = gl.load(s_ptrs, mask=n_mask, other=0.0).to(gl.float32)
-    mn = gl.load(m_ptrs, mask=n_mask, other=0.0).to(gl.float32)
-    # Step 0 outside the loop: the loop then never hands the final wait a zero-initialized accumulator (ptxas
+
+    acc = gl.zeros([BN, BM], gl.float32, layout=acc_layout)
+    s, mn = _scales(s_ptrs, m_ptrs, first, n_mask, dt)
+    s_next, m_next = _scales(s_ptrs, m_ptrs, first + 1, n_mask & (first + 1 < last), dt)
+    # Step `first` outside the loop: the loop then never hands a wait a zero-initialized accumulator (ptxas
     # serializes every wgmma of a function where a non-wgmma definition of the accumulator reaches a wait).
-    s_next = gl.load(s_ptrs + 1, mask=n_mask & (steps > 1), other=0.0).to(gl.float32)
-    m_next = gl.load(m_ptrs + 1, mask=n_mask & (steps > 1), other=0.0).to(gl.float32)
-    acc = _step(x_desc, w_desc, x_smem, w_smem, b_smem, bars, acc, s, mn, 0, steps, row0, col0, dt, WL, WL3, STAGES)
-    for step in range(1, steps):
+    slot0 = 0
+    mbarrier.wait(bars.index(slot0), 0)
+    a_prev = _a_operand(w_smem.index(slot0).load(WL), s, mn, WL3, A_L, FP16)
+    acc = warpgroup_mma(a_prev, x_smem.index(slot0).permute((1, 0)), acc, is_async=True)
+    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+    if first + STAGES - 1 < last:
+        _issue_step(x_desc, w_desc, x_smem, w_smem, bars, first + STAGES - 1, STAGES - 1, row0, col0)
+    for i in range(first + 1, last):
         s = s_next
         mn = m_next
-        more = n_mask & (step + 1 < steps)  # the next step's scales, fetched while this one computes
-        s_next = gl.load(s_ptrs + step + 1, mask=more, other=0.0).to(gl.float32)
-        m_next = gl.load(m_ptrs + step + 1, mask=more, other=0.0).to(gl.float32)
-        acc = _step(x_desc, w_desc, x_smem, w_smem, b_smem, bars, acc, s, mn, step, steps, row0, col0, dt, WL, WL3,
-                    STAGES)  # fmt: skip
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        s_next, m_next = _scales(s_ptrs, m_ptrs, i + 1, n_mask & (i + 1 < last), dt)
+        acc, a_prev = _step(x_desc, w_desc, x_smem, w_smem, bars, acc, a_prev, s, mn, i, first, last, row0, col0,
+                            WL, WL3, A_L, STAGES, FP16)  # fmt: skip
+    acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
+    _epilogue(acc, out_ptr, res_ptr, b_ptr, ws_ptr, count_ptr, row0, col0, M, N, stride_om, stride_rm, BIAS,
+              RESIDUAL, SPLIT_K, num_warps)  # fmt: skip
 
-    offs_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, acc_layout))
-    offs_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, acc_layout))
+
+@_jit
+def _epilogue(acc, out_ptr, res_ptr, b_ptr, ws_ptr, count_ptr, row0, col0, M, N, stride_om, stride_rm,
+              BIAS: gl.constexpr, RESIDUAL: gl.constexpr, SPLIT_K: gl.constexpr, num_warps: gl.constexpr):  # fmt: skip
+    """acc [BN weight rows, BM x rows] -> out[m, n] (+ bias) (+ residual), stored along n. With SPLIT_K, each
+    program adds its part into the float32 workspace [M, N]; the tile's last program finishes it and zeroes the
+    workspace and counter for the next call."""
+    BN: gl.constexpr = acc.shape[0]
+    BM: gl.constexpr = acc.shape[1]
+    OL: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (BN // 4), BN // 4], [num_warps, 1], [1, 0])
+    y = gl.convert_layout(gl.permute(acc, [1, 0]), OL)  # [BM, BN]
+    offs_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, OL))
+    offs_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, OL))
     mask = gl.expand_dims(offs_m < M, 1) & gl.expand_dims(offs_n < N, 0)
-    y = acc
+    if SPLIT_K > 1:
+        ws_ptrs = ws_ptr + gl.expand_dims(offs_m, 1) * N + gl.expand_dims(offs_n, 0)
+        gl.atomic_add(ws_ptrs, y, mask=mask, sem="relaxed")
+        gl.thread_barrier()  # every thread's part added before the tile's counter moves
+        tile = gl.program_id(1) * gl.num_programs(0) + gl.program_id(0)
+        arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            y = gl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+            gl.store(ws_ptrs, gl.zeros_like(y), mask=mask)
+            gl.store(count_ptr + tile, 0)
+            _finish(y, out_ptr, res_ptr, b_ptr, offs_m, offs_n, mask, N, stride_om, stride_rm, BIAS, RESIDUAL)
+    else:
+        _finish(y, out_ptr, res_ptr, b_ptr, offs_m, offs_n, mask, N, stride_om, stride_rm, BIAS, RESIDUAL)
+
+
+@_jit
+def _finish(y, out_ptr, res_ptr, b_ptr, offs_m, offs_n, mask, N, stride_om, stride_rm, BIAS: gl.constexpr,
+            RESIDUAL: gl.constexpr):  # fmt: skip
     if BIAS:
         y = y + gl.expand_dims(gl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(gl.float32), 0)
     if RESIDUAL:
