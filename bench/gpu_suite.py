@@ -1201,8 +1201,8 @@ def int4_gemm_section() -> dict[str, Any]:
 
 GLUON_GEMM_ROWS = (128, 1024)
 # (BLOCK_M, warps, stages, split_k; 0: the launcher's split), BLOCK_N = 16 weight rows per warp.
-GLUON_GEMM_CANDIDATES = [(128, 4, 4, 0), (128, 4, 4, 1), (128, 4, 6, 0), (64, 4, 4, 0), (128, 8, 4, 0),
-                         (128, 8, 3, 1), (256, 4, 3, 0), (64, 4, 6, 2)]  # fmt: skip
+GLUON_GEMM_CANDIDATES = [(128, 4, 4, 0), (128, 8, 4, 0), (128, 8, 4, 1), (64, 8, 4, 0), (64, 16, 4, 0),
+                         (128, 16, 3, 0), (128, 16, 3, 1), (256, 8, 3, 0)]  # fmt: skip
 # (N, K, rows, bias, residual, dtype) of the Gluon INT4 GEMM's checks: seed-407m shapes, partial tiles in N and M.
 BF16, FP16 = torch.bfloat16, torch.float16
 GLUON_GEMM_CASES = [(6144, 2048, 128, False, False, BF16), (2048, 2048, 128, False, True, BF16),
@@ -1210,7 +1210,7 @@ GLUON_GEMM_CASES = [(6144, 2048, 128, False, False, BF16), (2048, 2048, 128, Fal
                     (1000, 1536, 77, True, False, BF16), (6144, 2048, 1024, False, False, FP16),
                     (2048, 2048, 128, False, True, FP16)]  # fmt: skip
 # Tiles forced for the checks besides the launcher's default: K split 3 ways (uneven: 32 groups), 8 warps.
-GLUON_GEMM_CHECK_TILES = [None, (128, 4, 4, 3), (64, 8, 4, 1)]
+GLUON_GEMM_CHECK_TILES = [None, (128, 4, 4, 3), (64, 8, 4, 1), (128, 16, 3, 0)]
 # One Gluon INT4 GEMM call in a child process (a wrong barrier phase would hang, not fail).
 GLUON_GEMM_SMOKE = """
 import torch

@@ -15,22 +15,105 @@ from tinyloop.kernels import gluon_gemm_int4 as gemm
 from tinyloop.quant import BlockedInt4Weight, quantize_int4
 
 
-def test_a_step_dequantizes_its_words_in_column_order() -> None:
-    """The kernel's dequantization of one 64-column step (words [BN, 8] -> nibble j of word i is column 8 j + i,
-    q * scale + minimum in float32), emulated with the same index arithmetic, equals the weight's own
-    dequantize()."""
-    q = quantize_int4(torch.randn(24, 256) / 20, 64)
+def _run_pair_asm(asm: str, regs: dict[str, int]) -> int:
+    """Executes the kernel's pair asm (mov, prmt, shr, lop3, packed 16-bit fma) on 32-bit values; the packed
+    fma rounds each half once from its exact value, as the hardware's fma.rn does."""
+    half = {"bf16x2": torch.bfloat16, "f16x2": torch.float16}
+
+    def value(tok: str) -> int:
+        tok = tok.strip()
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    def halves(v: int, dt: torch.dtype) -> torch.Tensor:
+        return torch.tensor([v & 0xFFFF, v >> 16], dtype=torch.int32).to(torch.int16).view(dt).double()
+
+    for line in asm.strip("{} ").split(";"):
+        op, _, rest = line.strip().partition(" ")
+        if not op or op.startswith(".reg"):
+            continue
+        args = [a.strip() for a in rest.split(",")]
+        if op == "mov.b32":
+            regs[args[0]] = value(args[1])
+        elif op == "prmt.b32":
+            a, b, sel = value(args[1]), value(args[2]), value(args[3])
+            pool = [(a >> 8 * i) & 0xFF for i in range(4)] + [(b >> 8 * i) & 0xFF for i in range(4)]
+            regs[args[0]] = sum(pool[(sel >> 4 * i) & 0x7] << 8 * i for i in range(4))
+        elif op == "shr.u32":
+            regs[args[0]] = value(args[1]) >> value(args[2])
+        elif op == "lop3.b32":
+            assert value(args[4]) == 0xEA  # (a & b) | c
+            regs[args[0]] = (value(args[1]) & value(args[2])) | value(args[3])
+        elif op.startswith("fma.rn."):
+            dt = half[op.split(".")[-1]]
+            exact = halves(value(args[1]), dt) * halves(value(args[2]), dt) + halves(value(args[3]), dt)
+            bits = exact.to(dt).view(torch.int16).to(torch.int32) & 0xFFFF
+            regs[args[0]] = int(bits[0]) | int(bits[1]) << 16
+        else:
+            raise AssertionError(f"unknown instruction {op}")
+    return regs["$0"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_pair_asm_dequantizes_each_column_pair_of_a_step(dtype: torch.dtype) -> None:
+    """Each of the kernel's eight pair programs, run instruction by instruction on words 2 t and 2 t + 1 of a
+    64-column step (column 8 j + i is nibble j of word i), gives columns 16 kk + 8 odd + 2 t and the next one
+    as q * scale + minimum rounded once, scale and minimum in x's dtype."""
+    gen = torch.Generator().manual_seed(5)
+    q = quantize_int4(torch.randn(6, 128, generator=gen) / 20, 64)
     w = BlockedInt4Weight.from_int4(q)
-    words = w.packed.view(torch.int32).view(24, 256 // 8)
-    dense = w.dequantize()
-    for step in range(256 // 64):
-        step_words = words[:, step * 8 : (step + 1) * 8]  # [BN, 8 (i)]
-        shifts = torch.arange(8, dtype=torch.int32) * 4  # nibble j
-        codes = (step_words[:, None, :] >> shifts[None, :, None]) & 0xF  # [BN, 8 (j), 8 (i)]
-        magic = (codes | 0x4B000000).view(torch.float32) - 8388608.0
-        s, mn = w.scale[:, step, None, None].float(), w.minimum[:, step, None, None].float()
-        got = (magic * s + mn).reshape(24, 64)
-        assert torch.equal(got, dense[:, step * 64 : (step + 1) * 64].float())
+    words = w.packed.view(torch.int32).view(6, 2, 8)
+    codes = q.codes(q.packed).view(6, 2, 64).double()
+    asms = gemm._PAIRS_FP16 if dtype == torch.float16 else gemm._PAIRS_BF16
+    for row in range(6):
+        for step in range(2):
+            s16 = w.scale[row, step].to(dtype)
+            m16 = w.minimum[row, step].to(dtype)
+            pair_of = lambda v: int(v.view(torch.int16)) & 0xFFFF  # noqa: E731
+            s2, m2 = pair_of(s16) * 0x10001, pair_of(m16) * 0x10001
+            for t in range(4):
+                wa, wb = (int(words[row, step, 2 * t + e]) & 0xFFFFFFFF for e in range(2))
+                for c in range(8):
+                    kk, odd = c // 2, c % 2
+                    got = _run_pair_asm(asms.value[c], {"$1": wa, "$2": wb, "$3": s2, "$4": m2})
+                    col = 16 * kk + 8 * odd + 2 * t
+                    want = codes[row, step, col : col + 2] * s16.double() + m16.double()
+                    halves = torch.tensor([got & 0xFFFF, got >> 16], dtype=torch.int32).to(torch.int16).view(dtype)
+                    assert torch.equal(halves, want.to(dtype)), (row, step, t, c)
+
+
+def test_the_words_layout_is_the_wgmma_a_fragment() -> None:
+    """The words' layout (lane 4 g + t of warp w: words 2 t, 2 t + 1 of rows 16 w + g, + 8) followed by the pair
+    order (register bits e, h, odd, kk) puts every weight where Hopper's wgmma A fragment wants it (16-bit,
+    k_width 2: Triton's DotOperandLayout as a linear layout, printed by Gluon's to_linear_layout)."""
+    a_fragment = {  # [row, column] per register / lane / warp bit, for [64, 64] and 4 warps
+        "reg": [[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]],
+        "lane": [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+        "warp": [[16, 0], [32, 0]],
+    }
+    reg, lane, warp = gemm.words_layout_bases(64)
+    assert lane == [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]] and warp == a_fragment["warp"]
+    # words [row, word]: register bits (e: word + 1, h: row + 8), lanes (t: word + 2, + 4; g: row + 1, 2, 4).
+    # A word's nibble pair (kk, odd) lands at column 16 kk + 8 odd + 2 t + e: word bits become column bits.
+    def column_of(word: int, kk: int, odd: int) -> int:
+        return 16 * kk + 8 * odd + word  # word = 2 t + e
+    assert [[0, column_of(1, 0, 0)], [8, 0]] == a_fragment["reg"][:2] == [[r, column_of(c, 0, 0)] for r, c in reg]
+    assert [[0, column_of(0, 0, 1)], [0, column_of(0, 1, 0)], [0, column_of(0, 2, 0)]] == a_fragment["reg"][2:]
+    assert [[r, column_of(c, 0, 0)] for r, c in lane] == a_fragment["lane"]
+    assert gemm.words_layout_bases(128)[2] == [[16, 0], [32, 0], [64, 0]]
+
+
+def test_split_k_never_leaves_a_split_empty() -> None:
+    for tiles in (1, 16, 32, 48, 96, 200):
+        for groups in (1, 4, 5, 32, 88):
+            for asked in (0, 1, 2, 3, 7, 8, 200):
+                split = cuda_ops._gluon_gemm_split(tiles, groups, asked, 132)
+                assert 1 <= split <= max(1, groups)
+                assert (split - 1) * -(-groups // split) < groups  # the last split starts inside K
+                if asked > 0 and asked <= groups:
+                    assert split <= asked
+    assert cuda_ops._gluon_gemm_split(32, 32, 0, 132) == 4  # out at 128 rows: 32 tiles on 132 SMs
+    assert cuda_ops._gluon_gemm_split(96, 32, 0, 132) == 1
+    assert cuda_ops._gluon_gemm_split(16, 88, 0, 132) == 8
 
 
 def test_applies_to_16_bit_x_and_whole_64_column_groups() -> None:

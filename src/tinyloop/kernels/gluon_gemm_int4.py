@@ -21,7 +21,14 @@ from __future__ import annotations
 import triton.language as tl
 
 from tinyloop.kernels.gluon_gemv import _jit, gl
-from tinyloop.kernels.gluon_hopper import HOPPER_IMPORT_ERROR, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from tinyloop.kernels.gluon_hopper import (
+    HOPPER_IMPORT_ERROR,
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 _IMPORT_ERROR = HOPPER_IMPORT_ERROR
 
@@ -112,20 +119,29 @@ def _scales(s_ptrs, m_ptrs, step, mask, dt: gl.constexpr):
 
 
 @_jit
-def _step(x_desc, w_desc, x_smem, w_smem, bars, acc, a_prev, s, mn, i, first, last, row0, col0,
+def _step(x_desc, w_desc, x_smem, w_smem, a_smem, bars, acc, s, mn, i, first, last, row0, col0,
           WL: gl.constexpr, WL3: gl.constexpr, A_L: gl.constexpr, STAGES: gl.constexpr, FP16: gl.constexpr):  # fmt: skip
-    """Step i of this program's range [first, last): wait for its TMA, dequantize its words into A registers,
-    start its wgmma, wait for the previous step's (whose x slot and A registers are then free), and ask for step
-    i + STAGES - 1 into that slot."""
+    """Step i of this program's range [first, last): wait for its TMA, dequantize its words into 16-bit tile
+    i % 2, start its wgmma, wait for the previous step's (whose x slot and tile are then free), and ask for
+    step i + STAGES - 1 into that x slot."""
     slot = (i - first) % STAGES
     mbarrier.wait(bars.index(slot), ((i - first) // STAGES) & 1)
     a = _a_operand(w_smem.index(slot).load(WL), s, mn, WL3, A_L, FP16)
-    acc = warpgroup_mma(a, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
-    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+    # Every warp past its previous step's wgmma wait: another warpgroup's wgmma of two steps ago may still read
+    # this tile until then. (The tile goes through shared memory, not registers: ptxas does not keep an
+    # asynchronous wgmma's register operand from being overwritten before its wait; on an H200 that gave wrong
+    # products.)
+    gl.thread_barrier()
+    a_tile = a_smem.index(i % 2)
+    a_tile.store(a)
+    fence_async_shared()
+    gl.thread_barrier()  # every warp's rows written before the wgmma reads them
+    acc = warpgroup_mma(a_tile, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
     ahead = i + STAGES - 1
     if ahead < last:
         _issue_step(x_desc, w_desc, x_smem, w_smem, bars, ahead, (ahead - first) % STAGES, row0, col0)
-    return acc, a
+    return acc
 
 
 @_jit
@@ -165,6 +181,8 @@ def _gemm_int4_kernel(
 
     x_smem = gl.allocate_shared_memory(dt, [STAGES, BM, GROUP], x_desc.layout)
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], w_desc.layout)
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, GROUP], dt)
+    a_smem = gl.allocate_shared_memory(dt, [2, BN, GROUP], a_layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
@@ -184,12 +202,19 @@ def _gemm_int4_kernel(
         WL3: gl.constexpr = gl.DistributedLinearLayout(
             [[0, 0, 1], [8, 0, 0]], [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
             [[16, 0, 0], [32, 0, 0]], [], [BN, 4, 2])  # fmt: skip
-    else:
+    elif num_warps == 8:
         WL: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [8, 0]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
                                                       [[16, 0], [32, 0], [64, 0]], [], [BN, GROUP // 8])  # fmt: skip
         WL3: gl.constexpr = gl.DistributedLinearLayout(
             [[0, 0, 1], [8, 0, 0]], [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
             [[16, 0, 0], [32, 0, 0], [64, 0, 0]], [], [BN, 4, 2])  # fmt: skip
+    else:
+        WL: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [8, 0]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
+                                                      [[16, 0], [32, 0], [64, 0], [128, 0]], [],
+                                                      [BN, GROUP // 8])  # fmt: skip
+        WL3: gl.constexpr = gl.DistributedLinearLayout(
+            [[0, 0, 1], [8, 0, 0]], [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+            [[16, 0, 0], [32, 0, 0], [64, 0, 0], [128, 0, 0]], [], [BN, 4, 2])  # fmt: skip
     rows_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL3)))
     n_mask = rows_n < N
     s_ptrs = s_ptr + rows_n * n_groups
@@ -200,20 +225,15 @@ def _gemm_int4_kernel(
     s_next, m_next = _scales(s_ptrs, m_ptrs, first + 1, n_mask & (first + 1 < last), dt)
     # Step `first` outside the loop: the loop then never hands a wait a zero-initialized accumulator (ptxas
     # serializes every wgmma of a function where a non-wgmma definition of the accumulator reaches a wait).
-    slot0 = 0
-    mbarrier.wait(bars.index(slot0), 0)
-    a_prev = _a_operand(w_smem.index(slot0).load(WL), s, mn, WL3, A_L, FP16)
-    acc = warpgroup_mma(a_prev, x_smem.index(slot0).permute((1, 0)), acc, is_async=True)
-    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
-    if first + STAGES - 1 < last:
-        _issue_step(x_desc, w_desc, x_smem, w_smem, bars, first + STAGES - 1, STAGES - 1, row0, col0)
+    acc = _step(x_desc, w_desc, x_smem, w_smem, a_smem, bars, acc, s, mn, first, first, last, row0, col0, WL, WL3,
+                A_L, STAGES, FP16)  # fmt: skip
     for i in range(first + 1, last):
         s = s_next
         mn = m_next
         s_next, m_next = _scales(s_ptrs, m_ptrs, i + 1, n_mask & (i + 1 < last), dt)
-        acc, a_prev = _step(x_desc, w_desc, x_smem, w_smem, bars, acc, a_prev, s, mn, i, first, last, row0, col0,
-                            WL, WL3, A_L, STAGES, FP16)  # fmt: skip
-    acc, a_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_prev))
+        acc = _step(x_desc, w_desc, x_smem, w_smem, a_smem, bars, acc, s, mn, i, first, last, row0, col0, WL, WL3,
+                    A_L, STAGES, FP16)  # fmt: skip
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
     _epilogue(acc, out_ptr, res_ptr, b_ptr, ws_ptr, count_ptr, row0, col0, M, N, stride_om, stride_rm, BIAS,
@@ -228,7 +248,8 @@ def _epilogue(acc, out_ptr, res_ptr, b_ptr, ws_ptr, count_ptr, row0, col0, M, N,
     workspace and counter for the next call."""
     BN: gl.constexpr = acc.shape[0]
     BM: gl.constexpr = acc.shape[1]
-    OL: gl.constexpr = gl.BlockedLayout([1, 4], [32 // (BN // 4), BN // 4], [num_warps, 1], [1, 0])
+    TN: gl.constexpr = 32 if BN >= 128 else BN // 4  # threads along n, 4 columns each
+    OL: gl.constexpr = gl.BlockedLayout([1, 4], [32 // TN, TN], [num_warps, 1], [1, 0])
     y = gl.convert_layout(gl.permute(acc, [1, 0]), OL)  # [BM, BN]
     offs_m = row0 + gl.arange(0, BM, layout=gl.SliceLayout(1, OL))
     offs_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, OL))
