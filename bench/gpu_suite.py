@@ -1201,8 +1201,8 @@ def int4_gemm_section() -> dict[str, Any]:
 
 GLUON_GEMM_ROWS = (128, 1024)
 # (BLOCK_M, warps, stages, split_k; 0: the launcher's split), BLOCK_N = 16 weight rows per warp.
-GLUON_GEMM_CANDIDATES = [(128, 4, 4, 0), (128, 8, 4, 0), (128, 8, 4, 1), (64, 8, 4, 0), (64, 16, 4, 0),
-                         (128, 16, 3, 0), (128, 16, 3, 1), (256, 8, 3, 0)]  # fmt: skip
+GLUON_GEMM_CANDIDATES = [(128, 4, 4, 0), (128, 4, 4, 1), (128, 4, 6, 0), (64, 4, 4, 0), (128, 8, 4, 0),
+                         (64, 8, 4, 0), (128, 16, 3, 0), (256, 8, 3, 0)]  # fmt: skip
 # (N, K, rows, bias, residual, dtype) of the Gluon INT4 GEMM's checks: seed-407m shapes, partial tiles in N and M.
 BF16, FP16 = torch.bfloat16, torch.float16
 GLUON_GEMM_CASES = [(6144, 2048, 128, False, False, BF16), (2048, 2048, 128, False, True, BF16),

@@ -708,7 +708,7 @@ def _gemm_int4_gluon(
     _gemm_int4_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m), split_k)](
         x_desc, w_desc, w.scale, w.minimum, out, res, b if b is not None else out, scratch[0], scratch[1], M, N, K,
         out.stride(0), res.stride(0), BIAS=b is not None, RESIDUAL=residual is not None, STAGES=stages,
-        SPLIT_K=split_k, num_warps=warps,
+        SPLIT_K=split_k, GROUPS=triton.next_power_of_2(triton.cdiv(K // GROUP_SIZE, split_k)), num_warps=warps,
     )  # fmt: skip
     return out
 

@@ -114,24 +114,39 @@ def _issue_step(x_desc, w_desc, x_smem, w_smem, bars, step, slot, row0, col0):
 
 
 @_jit
-def _scales(s_ptrs, m_ptrs, step, mask, dt: gl.constexpr):
-    return gl.load(s_ptrs + step, mask=mask, other=0.0).to(dt), gl.load(m_ptrs + step, mask=mask, other=0.0).to(dt)
+def _stage_scales(ptr, smem, col0, first, last, N, n_groups, num_warps: gl.constexpr):
+    """The program's scales (or minimums) for groups first..last of its BN weight rows, once, into shared memory
+    as [group - first, row]: the steps then read them there (a global load in flight makes every later
+    fence.proxy.async wait for it)."""
+    GP: gl.constexpr = smem.shape[0]
+    BN: gl.constexpr = smem.shape[1]
+    L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
+    groups = first + gl.arange(0, GP, layout=gl.SliceLayout(1, L))
+    rows = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, L))
+    mask = gl.expand_dims(groups < last, 1) & gl.expand_dims(rows < N, 0)
+    values = gl.load(ptr + gl.expand_dims(rows, 0) * n_groups + gl.expand_dims(groups, 1), mask=mask, other=0.0)
+    smem._reinterpret(values.dtype, [GP, BN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(values)
 
 
 @_jit
-def _step(x_desc, w_desc, x_smem, w_smem, a_smem, bars, acc, s, mn, i, first, last, row0, col0,
+def _step(x_desc, w_desc, x_smem, w_smem, a_smem, s_smem, m_smem, bars, acc, i, first, last, row0, col0,
           WL: gl.constexpr, WL3: gl.constexpr, A_L: gl.constexpr, STAGES: gl.constexpr, FP16: gl.constexpr):  # fmt: skip
     """Step i of this program's range [first, last): wait for its TMA, dequantize its words into 16-bit tile
     i % 2, start its wgmma, wait for the previous step's (whose x slot and tile are then free), and ask for
     step i + STAGES - 1 into that x slot."""
     slot = (i - first) % STAGES
     mbarrier.wait(bars.index(slot), ((i - first) // STAGES) & 1)
+    ROWS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, WL3))
+    dt: gl.constexpr = a_smem.dtype
+    s = s_smem.index(i - first).load(ROWS).to(dt)
+    mn = m_smem.index(i - first).load(ROWS).to(dt)
     a = _a_operand(w_smem.index(slot).load(WL), s, mn, WL3, A_L, FP16)
-    # Every warp past its previous step's wgmma wait: another warpgroup's wgmma of two steps ago may still read
-    # this tile until then. (The tile goes through shared memory, not registers: ptxas does not keep an
-    # asynchronous wgmma's register operand from being overwritten before its wait; on an H200 that gave wrong
-    # products.)
-    gl.thread_barrier()
+    if gl.num_warps() > 4:
+        # Every warp past its previous step's wgmma wait: another warpgroup's wgmma of two steps ago may still
+        # read this tile until then. (The tile goes through shared memory, not registers: ptxas does not keep
+        # an asynchronous wgmma's register operand from being overwritten before its wait; on an H200 that
+        # gave wrong products.)
+        gl.thread_barrier()
     a_tile = a_smem.index(i % 2)
     a_tile.store(a)
     fence_async_shared()
@@ -164,10 +179,12 @@ def _gemm_int4_kernel(
     RESIDUAL: gl.constexpr,
     STAGES: gl.constexpr,
     SPLIT_K: gl.constexpr,
+    GROUPS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     """Program (n, m, split): weight rows n BN.. (16 per warp) times x rows m BM.. over the split's share of
-    the 64-column steps (BM, BN from the descriptors' boxes: x [BM, 64], words [BN, 8])."""
+    the 64-column steps, at most GROUPS (a power of two; BM, BN from the descriptors' boxes: x [BM, 64], words
+    [BN, 8])."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     dt: gl.constexpr = x_desc.dtype
@@ -183,6 +200,9 @@ def _gemm_int4_kernel(
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], w_desc.layout)
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, GROUP], dt)
     a_smem = gl.allocate_shared_memory(dt, [2, BN, GROUP], a_layout)
+    scale_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # per group: [BN]
+    s_smem = gl.allocate_shared_memory(s_ptr.dtype.element_ty, [GROUPS, BN], scale_layout)
+    m_smem = gl.allocate_shared_memory(m_ptr.dtype.element_ty, [GROUPS, BN], scale_layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
@@ -215,24 +235,18 @@ def _gemm_int4_kernel(
         WL3: gl.constexpr = gl.DistributedLinearLayout(
             [[0, 0, 1], [8, 0, 0]], [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
             [[16, 0, 0], [32, 0, 0], [64, 0, 0], [128, 0, 0]], [], [BN, 4, 2])  # fmt: skip
-    rows_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL3)))
-    n_mask = rows_n < N
-    s_ptrs = s_ptr + rows_n * n_groups
-    m_ptrs = m_ptr + rows_n * n_groups
+    _stage_scales(s_ptr, s_smem, col0, first, last, N, n_groups, num_warps)
+    _stage_scales(m_ptr, m_smem, col0, first, last, N, n_groups, num_warps)
+    gl.thread_barrier()
 
     acc = gl.zeros([BN, BM], gl.float32, layout=acc_layout)
-    s, mn = _scales(s_ptrs, m_ptrs, first, n_mask, dt)
-    s_next, m_next = _scales(s_ptrs, m_ptrs, first + 1, n_mask & (first + 1 < last), dt)
     # Step `first` outside the loop: the loop then never hands a wait a zero-initialized accumulator (ptxas
     # serializes every wgmma of a function where a non-wgmma definition of the accumulator reaches a wait).
-    acc = _step(x_desc, w_desc, x_smem, w_smem, a_smem, bars, acc, s, mn, first, first, last, row0, col0, WL, WL3,
-                A_L, STAGES, FP16)  # fmt: skip
+    acc = _step(x_desc, w_desc, x_smem, w_smem, a_smem, s_smem, m_smem, bars, acc, first, first, last, row0, col0,
+                WL, WL3, A_L, STAGES, FP16)  # fmt: skip
     for i in range(first + 1, last):
-        s = s_next
-        mn = m_next
-        s_next, m_next = _scales(s_ptrs, m_ptrs, i + 1, n_mask & (i + 1 < last), dt)
-        acc = _step(x_desc, w_desc, x_smem, w_smem, a_smem, bars, acc, s, mn, i, first, last, row0, col0, WL, WL3,
-                    A_L, STAGES, FP16)  # fmt: skip
+        acc = _step(x_desc, w_desc, x_smem, w_smem, a_smem, s_smem, m_smem, bars, acc, i, first, last, row0, col0,
+                    WL, WL3, A_L, STAGES, FP16)  # fmt: skip
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
