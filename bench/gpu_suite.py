@@ -1200,17 +1200,18 @@ def int4_gemm_section() -> dict[str, Any]:
 
 
 GLUON_GEMM_ROWS = (128, 1024)
-# (BLOCK_M, warps, stages, split_k; 0: the launcher's split), BLOCK_N = 16 weight rows per warp.
-GLUON_GEMM_CANDIDATES = [(128, 4, 4, 0), (128, 4, 4, 1), (128, 4, 6, 0), (64, 4, 4, 0), (128, 8, 4, 0),
-                         (64, 8, 4, 0), (128, 16, 3, 0), (256, 8, 3, 0)]  # fmt: skip
+# (BLOCK_M, BLOCK_N, warps, stages, split_k; 0: the launcher's split).
+GLUON_GEMM_CANDIDATES = [(128, 64, 4, 4, 0), (128, 64, 8, 4, 0), (128, 64, 8, 6, 0), (64, 64, 8, 4, 0),
+                         (128, 128, 8, 4, 0), (128, 64, 8, 4, 1), (256, 64, 8, 3, 0), (128, 128, 4, 4, 0)]  # fmt: skip
 # (N, K, rows, bias, residual, dtype) of the Gluon INT4 GEMM's checks: seed-407m shapes, partial tiles in N and M.
 BF16, FP16 = torch.bfloat16, torch.float16
 GLUON_GEMM_CASES = [(6144, 2048, 128, False, False, BF16), (2048, 2048, 128, False, True, BF16),
                     (11264, 2048, 128, False, False, BF16), (2048, 5632, 300, False, True, BF16),
                     (1000, 1536, 77, True, False, BF16), (6144, 2048, 1024, False, False, FP16),
                     (2048, 2048, 128, False, True, FP16)]  # fmt: skip
-# Tiles forced for the checks besides the launcher's default: K split 3 ways (uneven: 32 groups), 8 warps.
-GLUON_GEMM_CHECK_TILES = [None, (128, 4, 4, 3), (64, 8, 4, 1), (128, 16, 3, 0)]
+# Tiles forced for the checks besides the launcher's default: K split 3 ways (uneven: 32 groups), two
+# warpgroups along x's rows, along the weight's rows.
+GLUON_GEMM_CHECK_TILES = [None, (128, 64, 8, 4, 3), (64, 128, 8, 4, 1), (128, 256, 8, 3, 0)]
 # One Gluon INT4 GEMM call in a child process (a wrong barrier phase would hang, not fail).
 GLUON_GEMM_SMOKE = """
 import torch

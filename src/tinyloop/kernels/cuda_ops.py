@@ -627,16 +627,17 @@ def _product(
 # GLUON_GEMM_MAX_ROWS rows (beyond, cuBLAS's compute-bound tiles win).
 USE_GLUON_GEMM = False
 GLUON_GEMM_MAX_ROWS = 512
-# (N, K, rows rounded up to a power of two) -> (BLOCK_M, warps, stages, split_k); BLOCK_N is 16 rows per warp.
-# Filled by benchmark sweeps; split_k 0 picks enough K splits to give every SM a program.
-GLUON_GEMM_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int]] = {}
+# (N, K, rows rounded up to a power of two) -> (BLOCK_M, BLOCK_N, warps, stages, split_k): BLOCK_N weight rows
+# (64, 128 or 256) times BLOCK_M rows of x per program. Filled by benchmark sweeps; split_k 0 picks enough K
+# splits to give every SM a program.
+GLUON_GEMM_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
 
 
-def _gluon_gemm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
+def _gluon_gemm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int, int]:
     key = (n, k, triton.next_power_of_2(rows))
     if key in GLUON_GEMM_CONFIGS:
         return GLUON_GEMM_CONFIGS[key]
-    return (64 if rows <= 64 else 128), 4, 4, 0
+    return (64 if rows <= 64 else 128), 64, 4, 4, 0
 
 
 def _gluon_gemm_split(tiles: int, groups: int, split_k: int, sms: int) -> int:
@@ -685,12 +686,11 @@ def _gemm_int4_gluon(
     from triton.experimental.gluon.language import NVMMASharedLayout, bfloat16, float16, int32
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from tinyloop.kernels.gluon_gemm_int4 import GROUP_SIZE, ROWS_PER_WARP, _gemm_int4_kernel
+    from tinyloop.kernels.gluon_gemm_int4 import GROUP_SIZE, _gemm_int4_kernel
 
     M, K = h.shape
     N = w.shape[0]
-    block_m, warps, stages, split_k = _gluon_gemm_config(N, K, M)
-    block_n = ROWS_PER_WARP * warps
+    block_m, block_n, warps, stages, split_k = _gluon_gemm_config(N, K, M)
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     sms = _sm_count(h.device.index or 0) if h.is_cuda else 1
     split_k = _gluon_gemm_split(tiles, K // GROUP_SIZE, split_k, sms)
@@ -708,7 +708,7 @@ def _gemm_int4_gluon(
     _gemm_int4_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m), split_k)](
         x_desc, w_desc, w.scale, w.minimum, out, res, b if b is not None else out, scratch[0], scratch[1], M, N, K,
         out.stride(0), res.stride(0), BIAS=b is not None, RESIDUAL=residual is not None, STAGES=stages,
-        SPLIT_K=split_k, GROUPS=triton.next_power_of_2(triton.cdiv(K // GROUP_SIZE, split_k)), num_warps=warps,
+        SPLIT_K=split_k, num_warps=warps,
     )  # fmt: skip
     return out
 

@@ -1,15 +1,17 @@
 """Gluon GEMM for tens to hundreds of rows times a blocked INT4 matrix (a short prefill), on Hopper's wgmma.
 
-Why: at 128 rows cuBLAS on the dequantized 16-bit weight streams 4x the bytes of the INT4 words. Here the
-weight is the wgmma's A operand straight from registers: out^T = W x^T, a program owning BLOCK_N weight rows
-(16 per warp) and BLOCK_M rows of x (the wgmma's N). x tiles and the weight's words arrive by TMA STAGES
-64-column steps ahead; each thread turns two words of a row into the A registers of its mma fragment with four
-instructions per pair of weights: a byte permute (PRMT) puts the two words' nibbles of one column pair side by
-side, a LOP3 makes them the 16-bit floats magic + q (exact), and two packed FMAs give q and q * scale +
-minimum, rounded once to x's dtype (float16 scales are exact in float16; for bfloat16 x they are rounded to
-bfloat16 first, the one difference from dequantize_int4). The step's wgmma runs asynchronously while the next
-step dequantizes. SPLIT_K programs may share an output tile: each adds its K range into a float32 workspace,
-and the last to arrive (a per-tile counter, reset for the next call) finishes the tile.
+Why: at 128 rows cuBLAS on the dequantized 16-bit weight streams 4x the bytes of the INT4 words, and the
+prefill dequantizes the body first. Here out^T = W x^T: a program owns BLOCK_N weight rows (the wgmma's M) and
+BLOCK_M rows of x (its N). x tiles and the weight's words arrive by TMA STAGES 64-column steps ahead. Each
+thread turns two words of a row into eight pairs of 16-bit weights with four instructions a pair: a byte
+permute (PRMT) puts the two words' nibbles of one column pair side by side, a LOP3 makes them the 16-bit
+floats magic + q (exact), and two packed FMAs give q, then q * scale + minimum rounded once to x's dtype
+(float16 scales are exact in float16; for bfloat16 x they are rounded to bfloat16 first, the one difference
+from dequantize_int4). The tile goes to shared memory (one of two), and its wgmma runs asynchronously while
+the next step dequantizes. (Not from registers: ptxas lets the next step overwrite an in-flight wgmma's
+register operand, and an H200 gave wrong products.) SPLIT_K programs may share an output tile: each adds its
+K range into a float32 workspace, and the last to arrive (a per-tile counter, reset for the next call)
+finishes the tile.
 
 out[m, n] = sum_k x[m, k] w[n, k] (+ bias[n]) (+ residual[m, n]), accumulated in float32 and rounded once,
 as cuBLAS's addmm rounds. CUDA with TMA and wgmma (Hopper) only; `available()` says whether the installed
@@ -34,7 +36,7 @@ _IMPORT_ERROR = HOPPER_IMPORT_ERROR
 
 GROUP_SIZE = 64  # columns per step: one quantization group (quant.BlockedInt4Weight's 64-column blocks)
 GROUP = gl.constexpr(GROUP_SIZE) if gl is not None else GROUP_SIZE
-ROWS_PER_WARP = 16  # weight rows per warp: one mma fragment's rows
+WGMMA_ROWS = 64  # weight rows of one warpgroup's wgmma
 
 
 def _pair_asm(kk: int, odd: int, fp16: bool) -> str:
@@ -67,13 +69,6 @@ def applies(k: int, group_size: int, x_dtype_bytes: int) -> bool:
     return x_dtype_bytes == 2 and group_size == GROUP_SIZE and k > 0 and k % GROUP_SIZE == 0
 
 
-def words_layout_bases(block_n: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
-    """Register, lane and warp bases of a [BLOCK_N, 8] words tile laid out like the wgmma A fragment: lane
-    4 g + t of warp w holds words 2 t and 2 t + 1 of rows 16 w + g and 16 w + g + 8."""
-    warps = [[ROWS_PER_WARP << b, 0] for b in range((block_n // ROWS_PER_WARP).bit_length() - 1)]
-    return [[0, 1], [8, 0]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], warps
-
-
 @_jit
 def _pair(w3, s3, m3, C: gl.constexpr, FP16: gl.constexpr):
     if FP16:
@@ -86,22 +81,20 @@ def _pair(w3, s3, m3, C: gl.constexpr, FP16: gl.constexpr):
 
 
 @_jit
-def _a_operand(words, s, mn, WL3: gl.constexpr, A_L: gl.constexpr, FP16: gl.constexpr):
-    """Words [BN, 8] (words layout) and per-row scale / minimum [BN] (16-bit, its row slice) -> the 16-bit
-    weights [BN, 64] in the wgmma A layout. Every step but the arithmetic is register renaming."""
+def _dequantize(words, s, mn, FP16: gl.constexpr):
+    """Words [BN, 4 (t), 2 (word 2 t + e)] and per-row scale / minimum [BN] (x's dtype, the words' row slice) ->
+    the 16-bit weights [BN, 64] in column order. Every step but the arithmetic is register renaming."""
     BN: gl.constexpr = words.shape[0]
-    w3 = gl.convert_layout(gl.reshape(words, [BN, 4, 2]), WL3, assert_trivial=True)  # [row, t, word 2 t + e]
     s3 = gl.expand_dims(gl.expand_dims(s, 1), 2)
     m3 = gl.expand_dims(gl.expand_dims(mn, 1), 2)
     d = gl.join(
-        gl.join(gl.join(_pair(w3, s3, m3, 0, FP16), _pair(w3, s3, m3, 1, FP16)),
-                gl.join(_pair(w3, s3, m3, 2, FP16), _pair(w3, s3, m3, 3, FP16))),
-        gl.join(gl.join(_pair(w3, s3, m3, 4, FP16), _pair(w3, s3, m3, 5, FP16)),
-                gl.join(_pair(w3, s3, m3, 6, FP16), _pair(w3, s3, m3, 7, FP16))),
+        gl.join(gl.join(_pair(words, s3, m3, 0, FP16), _pair(words, s3, m3, 1, FP16)),
+                gl.join(_pair(words, s3, m3, 2, FP16), _pair(words, s3, m3, 3, FP16))),
+        gl.join(gl.join(_pair(words, s3, m3, 4, FP16), _pair(words, s3, m3, 5, FP16)),
+                gl.join(_pair(words, s3, m3, 6, FP16), _pair(words, s3, m3, 7, FP16))),
     )  # fmt: skip
     # [row, t, e, odd, kk_lo, kk_hi] -> column 32 kk_hi + 16 kk_lo + 8 odd + 2 t + e
-    d = gl.permute(d, [0, 5, 4, 3, 1, 2])
-    return gl.convert_layout(gl.reshape(d, [BN, GROUP]), A_L, assert_trivial=True)
+    return gl.reshape(gl.permute(d, [0, 5, 4, 3, 1, 2]), [BN, GROUP])
 
 
 @_jit
@@ -114,49 +107,36 @@ def _issue_step(x_desc, w_desc, x_smem, w_smem, bars, step, slot, row0, col0):
 
 
 @_jit
-def _stage_scales(ptr, smem, col0, first, last, N, n_groups, num_warps: gl.constexpr):
-    """The program's scales (or minimums) for groups first..last of its BN weight rows, once, into shared memory
-    as [group - first, row]: the steps then read them there (a global load in flight makes every later
-    fence.proxy.async wait for it)."""
-    GP: gl.constexpr = smem.shape[0]
-    BN: gl.constexpr = smem.shape[1]
-    L: gl.constexpr = gl.BlockedLayout([1, 1], [1, 32], [1, num_warps], [1, 0])
-    groups = first + gl.arange(0, GP, layout=gl.SliceLayout(1, L))
-    rows = col0 + gl.arange(0, BN, layout=gl.SliceLayout(0, L))
-    mask = gl.expand_dims(groups < last, 1) & gl.expand_dims(rows < N, 0)
-    values = gl.load(ptr + gl.expand_dims(rows, 0) * n_groups + gl.expand_dims(groups, 1), mask=mask, other=0.0)
-    smem._reinterpret(values.dtype, [GP, BN], gl.SwizzledSharedLayout(1, 1, 1, [1, 0])).store(values)
+def _scales(s_ptrs, m_ptrs, step, mask, dt: gl.constexpr):
+    return gl.load(s_ptrs + step, mask=mask, other=0.0).to(dt), gl.load(m_ptrs + step, mask=mask, other=0.0).to(dt)
 
 
 @_jit
-def _step(x_desc, w_desc, x_smem, w_smem, a_smem, s_smem, m_smem, bars, acc, i, first, last, row0, col0,
-          WL: gl.constexpr, WL3: gl.constexpr, A_L: gl.constexpr, STAGES: gl.constexpr, FP16: gl.constexpr):  # fmt: skip
-    """Step i of this program's range [first, last): wait for its TMA, dequantize its words into 16-bit tile
-    i % 2, start its wgmma, wait for the previous step's (whose x slot and tile are then free), and ask for
+def _step(x_desc, w_desc, x_smem, w_smem, a_smem, bars, acc, s, mn, s_ptrs, m_ptrs, n_mask, i, first, last, row0,
+          col0, WL: gl.constexpr, WL3: gl.constexpr, STAGES: gl.constexpr, FP16: gl.constexpr):  # fmt: skip
+    """Step i of this program's range [first, last), its scales given: wait for its TMA, dequantize its words
+    into 16-bit tile i % 2, start its wgmma, load the next step's scales (after the fence, which would wait for
+    a load in flight), wait for the previous step's wgmma (whose x slot and tile are then free) and ask for
     step i + STAGES - 1 into that x slot."""
     slot = (i - first) % STAGES
     mbarrier.wait(bars.index(slot), ((i - first) // STAGES) & 1)
-    ROWS: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, WL3))
-    dt: gl.constexpr = a_smem.dtype
-    s = s_smem.index(i - first).load(ROWS).to(dt)
-    mn = m_smem.index(i - first).load(ROWS).to(dt)
-    a = _a_operand(w_smem.index(slot).load(WL), s, mn, WL3, A_L, FP16)
-    if gl.num_warps() > 4:
-        # Every warp past its previous step's wgmma wait: another warpgroup's wgmma of two steps ago may still
-        # read this tile until then. (The tile goes through shared memory, not registers: ptxas does not keep
-        # an asynchronous wgmma's register operand from being overwritten before its wait; on an H200 that
-        # gave wrong products.)
-        gl.thread_barrier()
+    words = w_smem.index(slot).load(WL)
+    a = _dequantize(gl.convert_layout(gl.reshape(words, [words.shape[0], 4, 2]), WL3, assert_trivial=True), s, mn,
+                    FP16)  # fmt: skip
+    # Every warp past its previous step's wgmma wait: a wgmma of two steps ago may still read this tile until
+    # then.
+    gl.thread_barrier()
     a_tile = a_smem.index(i % 2)
     a_tile.store(a)
     fence_async_shared()
     gl.thread_barrier()  # every warp's rows written before the wgmma reads them
     acc = warpgroup_mma(a_tile, x_smem.index(slot).permute((1, 0)), acc, is_async=True)
+    s_next, m_next = _scales(s_ptrs, m_ptrs, i + 1, n_mask & (i + 1 < last), a_smem.dtype)
     acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
     ahead = i + STAGES - 1
     if ahead < last:
         _issue_step(x_desc, w_desc, x_smem, w_smem, bars, ahead, (ahead - first) % STAGES, row0, col0)
-    return acc
+    return acc, s_next, m_next
 
 
 @_jit
@@ -179,12 +159,10 @@ def _gemm_int4_kernel(
     RESIDUAL: gl.constexpr,
     STAGES: gl.constexpr,
     SPLIT_K: gl.constexpr,
-    GROUPS: gl.constexpr,
     num_warps: gl.constexpr,
 ):
-    """Program (n, m, split): weight rows n BN.. (16 per warp) times x rows m BM.. over the split's share of
-    the 64-column steps, at most GROUPS (a power of two; BM, BN from the descriptors' boxes: x [BM, 64], words
-    [BN, 8])."""
+    """Program (n, m, split): weight rows n BN.. times x rows m BM.. over the split's share of the 64-column
+    steps (BM, BN from the descriptors' boxes: x [BM, 64], words [BN, 8])."""
     BM: gl.constexpr = x_desc.block_type.shape[0]
     BN: gl.constexpr = w_desc.block_type.shape[0]
     dt: gl.constexpr = x_desc.dtype
@@ -200,9 +178,6 @@ def _gemm_int4_kernel(
     w_smem = gl.allocate_shared_memory(gl.int32, [STAGES, BN, GROUP // 8], w_desc.layout)
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BN, GROUP], dt)
     a_smem = gl.allocate_shared_memory(dt, [2, BN, GROUP], a_layout)
-    scale_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])  # per group: [BN]
-    s_smem = gl.allocate_shared_memory(s_ptr.dtype.element_ty, [GROUPS, BN], scale_layout)
-    m_smem = gl.allocate_shared_memory(m_ptr.dtype.element_ty, [GROUPS, BN], scale_layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(bars.index(i), count=1)
@@ -210,43 +185,29 @@ def _gemm_int4_kernel(
         if first + i < last:
             _issue_step(x_desc, w_desc, x_smem, w_smem, bars, first + i, i, row0, col0)
 
+    # Warps along the weight rows first (16 each, so that a warpgroup's wgmma covers 64), the rest along x's rows.
+    WM: gl.constexpr = num_warps if num_warps * 16 <= BN else BN // 16
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, BM, 16]
+        version=[3, 0], warps_per_cta=[WM, num_warps // WM], instr_shape=[16, BM // (num_warps // WM), 16]
     )
-    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    # The words as the A fragment wants them (words_layout_bases, written out: constexpr lists only), as [BN,
-    # 8] for the shared-memory load and as [BN, 4 (t), 2 (e)] for the pairs.
-    if num_warps == 4:
-        WL: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [8, 0]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-                                                      [[16, 0], [32, 0]], [], [BN, GROUP // 8])  # fmt: skip
-        WL3: gl.constexpr = gl.DistributedLinearLayout(
-            [[0, 0, 1], [8, 0, 0]], [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            [[16, 0, 0], [32, 0, 0]], [], [BN, 4, 2])  # fmt: skip
-    elif num_warps == 8:
-        WL: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [8, 0]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-                                                      [[16, 0], [32, 0], [64, 0]], [], [BN, GROUP // 8])  # fmt: skip
-        WL3: gl.constexpr = gl.DistributedLinearLayout(
-            [[0, 0, 1], [8, 0, 0]], [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            [[16, 0, 0], [32, 0, 0], [64, 0, 0]], [], [BN, 4, 2])  # fmt: skip
-    else:
-        WL: gl.constexpr = gl.DistributedLinearLayout([[0, 1], [8, 0]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-                                                      [[16, 0], [32, 0], [64, 0], [128, 0]], [],
-                                                      [BN, GROUP // 8])  # fmt: skip
-        WL3: gl.constexpr = gl.DistributedLinearLayout(
-            [[0, 0, 1], [8, 0, 0]], [[0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
-            [[16, 0, 0], [32, 0, 0], [64, 0, 0], [128, 0, 0]], [], [BN, 4, 2])  # fmt: skip
-    _stage_scales(s_ptr, s_smem, col0, first, last, N, n_groups, num_warps)
-    _stage_scales(m_ptr, m_smem, col0, first, last, N, n_groups, num_warps)
-    gl.thread_barrier()
+    # Dequantization: lane 4 g + t of warp w holds words 2 t and 2 t + 1 of row 8 w + g (and every 8 * warps
+    # rows further).
+    WL: gl.constexpr = gl.BlockedLayout([1, 2], [8, 4], [num_warps, 1], [1, 0])  # words [BN, 8]
+    WL3: gl.constexpr = gl.BlockedLayout([1, 1, 2], [8, 4, 1], [num_warps, 1, 1], [2, 1, 0])  # [BN, 4 (t), 2 (e)]
+    rows_n = col0 + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, WL3)))
+    n_mask = rows_n < N
+    s_ptrs = s_ptr + rows_n * n_groups
+    m_ptrs = m_ptr + rows_n * n_groups
 
     acc = gl.zeros([BN, BM], gl.float32, layout=acc_layout)
+    s, mn = _scales(s_ptrs, m_ptrs, first, n_mask, dt)
     # Step `first` outside the loop: the loop then never hands a wait a zero-initialized accumulator (ptxas
     # serializes every wgmma of a function where a non-wgmma definition of the accumulator reaches a wait).
-    acc = _step(x_desc, w_desc, x_smem, w_smem, a_smem, s_smem, m_smem, bars, acc, first, first, last, row0, col0,
-                WL, WL3, A_L, STAGES, FP16)  # fmt: skip
+    acc, s, mn = _step(x_desc, w_desc, x_smem, w_smem, a_smem, bars, acc, s, mn, s_ptrs, m_ptrs, n_mask, first,
+                       first, last, row0, col0, WL, WL3, STAGES, FP16)  # fmt: skip
     for i in range(first + 1, last):
-        acc = _step(x_desc, w_desc, x_smem, w_smem, a_smem, s_smem, m_smem, bars, acc, i, first, last, row0, col0,
-                    WL, WL3, A_L, STAGES, FP16)  # fmt: skip
+        acc, s, mn = _step(x_desc, w_desc, x_smem, w_smem, a_smem, bars, acc, s, mn, s_ptrs, m_ptrs, n_mask, i,
+                           first, last, row0, col0, WL, WL3, STAGES, FP16)  # fmt: skip
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(i))
