@@ -1,7 +1,8 @@
 """One seed-407m prefill product per call for Nsight Compute, through the Gluon INT4 GEMM
 (kernels/gluon_gemm_int4.py): `ncu --kernel-name regex:_gemm_int4_kernel --launch-skip 3 --launch-count 1
-python bench/gemm_ncu.py [--rows 128] [--n 6144] [--k 2048] [--tile 128 4 4 0]` profiles the qkv shape at 128 rows with its default
-tile, weights streamed from DRAM (a different random copy per call)."""
+python bench/gemm_ncu.py [--rows 128] [--n 6144] [--k 2048] [--tile 128 64 4 4 0]` profiles the qkv shape at
+128 rows with the launcher's tile (or --tile's), weights streamed from DRAM (a different random copy per
+call)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--n", type=int, default=6144)
     ap.add_argument("--k", type=int, default=2048)
-    ap.add_argument("--tile", type=int, nargs=4, metavar=("BLOCK_M", "WARPS", "STAGES", "SPLIT_K"),
+    ap.add_argument("--tile", type=int, nargs=5, metavar=("BLOCK_M", "BLOCK_N", "WARPS", "STAGES", "SPLIT_K"),
                     help="the kernel's tile (cuda_ops.GLUON_GEMM_CONFIGS); default: the launcher's")  # fmt: skip
     args = ap.parse_args()
     cuda_ops.USE_GLUON_GEMM = True

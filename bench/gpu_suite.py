@@ -1257,8 +1257,12 @@ def _gluon_gemm_checks() -> dict[str, dict[str, float]]:
                 cuda_ops.GLUON_GEMM_CONFIGS[key] = tile
             got = [product() for _ in range(2)]
             name = f"{n}x{k} rows={rows} bias{int(bias)} res{int(resid)} {str(dt)[6:]} tile={tile or 'default'}"
-            res[name] = {"gluon_vs_f64": rel(got[0], ref), "cublas_vs_f64": rel(cublas, ref),
-                         "gluon_vs_cublas": rel(got[0], cublas), "second_call_vs_first": rel(got[1], got[0])}
+            res[name] = {
+                "gluon_vs_f64": rel(got[0], ref),
+                "cublas_vs_f64": rel(cublas, ref),
+                "gluon_vs_cublas": rel(got[0], cublas),
+                "second_call_vs_first": rel(got[1], got[0]),
+            }
             print("gluon gemm check", name, {c: f"{v:.2e}" for c, v in res[name].items()}, flush=True)
         cuda_ops.GLUON_GEMM_CONFIGS.pop(key, None)
     cuda_ops.USE_GLUON_GEMM = False

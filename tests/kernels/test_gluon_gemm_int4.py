@@ -81,25 +81,32 @@ def test_the_pair_asm_dequantizes_each_column_pair_of_a_step(dtype: torch.dtype)
                     assert torch.equal(halves, want.to(dtype)), (row, step, t, c)
 
 
-def test_the_words_layout_is_the_wgmma_a_fragment() -> None:
-    """The words' layout (lane 4 g + t of warp w: words 2 t, 2 t + 1 of rows 16 w + g, + 8) followed by the pair
-    order (register bits e, h, odd, kk) puts every weight where Hopper's wgmma A fragment wants it (16-bit,
-    k_width 2: Triton's DotOperandLayout as a linear layout, printed by Gluon's to_linear_layout)."""
-    a_fragment = {  # [row, column] per register / lane / warp bit, for [64, 64] and 4 warps
-        "reg": [[0, 1], [8, 0], [0, 8], [0, 16], [0, 32]],
-        "lane": [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]],
-        "warp": [[16, 0], [32, 0]],
-    }
-    reg, lane, warp = gemm.words_layout_bases(64)
-    assert lane == [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]] and warp == a_fragment["warp"]
-    # words [row, word]: register bits (e: word + 1, h: row + 8), lanes (t: word + 2, + 4; g: row + 1, 2, 4).
-    # A word's nibble pair (kk, odd) lands at column 16 kk + 8 odd + 2 t + e: word bits become column bits.
-    def column_of(word: int, kk: int, odd: int) -> int:
-        return 16 * kk + 8 * odd + word  # word = 2 t + e
-    assert [[0, column_of(1, 0, 0)], [8, 0]] == a_fragment["reg"][:2] == [[r, column_of(c, 0, 0)] for r, c in reg]
-    assert [[0, column_of(0, 0, 1)], [0, column_of(0, 1, 0)], [0, column_of(0, 2, 0)]] == a_fragment["reg"][2:]
-    assert [[r, column_of(c, 0, 0)] for r, c in lane] == a_fragment["lane"]
-    assert gemm.words_layout_bases(128)[2] == [[16, 0], [32, 0], [64, 0]]
+def test_a_step_tile_is_its_pairs_joined_and_permuted_into_column_order() -> None:
+    """`_dequantize`'s shape arithmetic, emulated: pair c (kk = c // 2, odd = c % 2) of words 2 t, 2 t + 1 per row,
+    joined innermost-first like gl.join and permuted by TILE_ORDER, is the step's 64 columns in order."""
+    gen = torch.Generator().manual_seed(6)
+    q = quantize_int4(torch.randn(8, 64, generator=gen) / 20, 64)
+    w = BlockedInt4Weight.from_int4(q)
+    words = w.packed.view(torch.int32).view(8, 4, 2)  # [row, t, e]: word 2 t + e
+    s2 = (w.scale[:, 0].view(torch.int16).to(torch.int32) & 0xFFFF) * 0x10001
+    m2 = (w.minimum[:, 0].view(torch.int16).to(torch.int32) & 0xFFFF) * 0x10001
+    pairs = torch.zeros(8, 8, 4, 2, dtype=torch.float16)  # [c, row, t, e]
+    for row in range(8):
+        for t in range(4):
+            wa, wb = (int(words[row, t, e]) & 0xFFFFFFFF for e in range(2))
+            for c in range(8):
+                got = _run_pair_asm(gemm._PAIRS_FP16.value[c], {"$1": wa, "$2": wb, "$3": int(s2[row]),
+                                                                 "$4": int(m2[row])})  # fmt: skip
+                pairs[c, row, t] = torch.tensor([got & 0xFFFF, got >> 16], dtype=torch.int32).to(torch.int16).view(
+                    torch.float16)  # fmt: skip
+
+    def join(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.stack((a, b), dim=-1)
+
+    p = pairs
+    d = join(join(join(p[0], p[1]), join(p[2], p[3])), join(join(p[4], p[5]), join(p[6], p[7])))
+    tile = d.permute(*gemm.TILE_ORDER).reshape(8, 64)
+    assert torch.equal(tile, w.dequantize(torch.float16))
 
 
 def test_split_k_never_leaves_a_split_empty() -> None:

@@ -43,9 +43,10 @@ def _pair_asm(kk: int, odd: int, fp16: bool) -> str:
     """Two words (column 8 j + i of a 64-column step is nibble j of word i; the words here are i = 2 t and
     2 t + 1) -> the 16-bit pair (column 16 kk + 8 odd + 2 t, the next column) as q * scale + minimum.
     $1, $2: the words; $3, $4: scale and minimum, each twice in one register."""
-    magic, one, neg_magic, kind = (
-        ("0x64006400", "0x3C003C00", "0xE400E400", "f16x2") if fp16 else ("0x43004300", "0x3F803F80", "0xC300C300", "bf16x2")
-    )  # fmt: skip
+    if fp16:
+        magic, one, neg_magic, kind = "0x64006400", "0x3C003C00", "0xE400E400", "f16x2"  # 1024 + q, 1, -1024
+    else:
+        magic, one, neg_magic, kind = "0x43004300", "0x3F803F80", "0xC300C300", "bf16x2"  # 128 + q, 1, -128
     select = kk | kk << 4 | (4 + kk) << 8 | (4 + kk) << 12  # byte kk of each word to bytes 0-1 / 2-3
     shift = "shr.u32 t, t, 4; " if odd else ""
     return (
@@ -56,6 +57,10 @@ def _pair_asm(kk: int, odd: int, fp16: bool) -> str:
     )
 
 
+# The eight pairs joined as [row, t, e, odd, kk_lo, kk_hi] (innermost join first), permuted to column order:
+# column 32 kk_hi + 16 kk_lo + 8 odd + 2 t + e.
+TILE_ORDER = (0, 5, 4, 3, 1, 2)
+_TILE_ORDER = tl.constexpr(TILE_ORDER)
 _PAIRS_BF16 = tl.constexpr(tuple(_pair_asm(c // 2, c % 2, False) for c in range(8)))
 _PAIRS_FP16 = tl.constexpr(tuple(_pair_asm(c // 2, c % 2, True) for c in range(8)))
 
@@ -93,8 +98,7 @@ def _dequantize(words, s, mn, FP16: gl.constexpr):
         gl.join(gl.join(_pair(words, s3, m3, 4, FP16), _pair(words, s3, m3, 5, FP16)),
                 gl.join(_pair(words, s3, m3, 6, FP16), _pair(words, s3, m3, 7, FP16))),
     )  # fmt: skip
-    # [row, t, e, odd, kk_lo, kk_hi] -> column 32 kk_hi + 16 kk_lo + 8 odd + 2 t + e
-    return gl.reshape(gl.permute(d, [0, 5, 4, 3, 1, 2]), [BN, GROUP])
+    return gl.reshape(gl.permute(d, _TILE_ORDER.value), [BN, GROUP])
 
 
 @_jit
