@@ -36,7 +36,6 @@ _IMPORT_ERROR = HOPPER_IMPORT_ERROR
 
 GROUP_SIZE = 64  # columns per step: one quantization group (quant.BlockedInt4Weight's 64-column blocks)
 GROUP = gl.constexpr(GROUP_SIZE) if gl is not None else GROUP_SIZE
-WGMMA_ROWS = 64  # weight rows of one warpgroup's wgmma
 
 
 def _pair_asm(kk: int, odd: int, fp16: bool) -> str:
