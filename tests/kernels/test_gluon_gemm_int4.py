@@ -194,3 +194,17 @@ def test_product_adds_the_residual_into_a_new_output_too() -> None:
     assert (got.double() - want).norm() / want.norm() < 1e-5
     with pytest.raises(ValueError, match="not both"):
         cuda_ops._product(x, w, torch.zeros(64), r, None)
+
+
+def test_split_k_scratch_is_zero_and_grows_only_when_too_small(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workspace and counters start at zero (each call's last program per tile restores that), are reused
+    while large enough, and are reallocated larger (never smaller) when a call needs more."""
+    monkeypatch.setattr(cuda_ops, "_GLUON_GEMM_SCRATCH", {})
+    cpu = torch.device("cpu")
+    ws, count = cuda_ops._gluon_gemm_scratch(cpu, 1000, 10) or (None, None)
+    assert ws is not None and count is not None
+    assert ws.numel() == 1000 and count.numel() == 10 and not ws.any() and not count.any()
+    again = cuda_ops._gluon_gemm_scratch(cpu, 500, 4)
+    assert again is not None and again[0] is ws and again[1] is count
+    bigger = cuda_ops._gluon_gemm_scratch(cpu, 2000, 4)
+    assert bigger is not None and bigger[0].numel() == 2000 and bigger[1].numel() == 10
