@@ -208,3 +208,18 @@ def test_split_k_scratch_is_zero_and_grows_only_when_too_small(monkeypatch: pyte
     assert again is not None and again[0] is ws and again[1] is count
     bigger = cuda_ops._gluon_gemm_scratch(cpu, 2000, 4)
     assert bigger is not None and bigger[0].numel() == 2000 and bigger[1].numel() == 10
+
+
+def test_the_k_over_n_policy_keeps_wide_products_on_cublas(monkeypatch: pytest.MonkeyPatch) -> None:
+    """GLUON_GEMM_MIN_K_OVER_N 2: products with K at least 2 N (like a down projection) go to the Gluon GEMM, a
+    QKV-like and a square one stay on cuBLAS."""
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(cuda_ops, "USE_GLUON_GEMM", True)
+    monkeypatch.setattr(cuda_ops, "GLUON_GEMM_MIN_K_OVER_N", 2.0)
+    monkeypatch.setattr(gemm, "_gemm_int4_kernel", _Float64Gemm(calls))
+    gen = torch.Generator().manual_seed(8)
+    for n, k, routed in ((64, 128, True), (32, 192, True), (192, 128, False), (64, 64, False)):
+        w = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(n, k, generator=gen) / 20, 64))
+        calls.clear()
+        cuda_ops._product(torch.randn(24, k, generator=gen).bfloat16(), w, None, None, None)
+        assert bool(calls) == routed, (n, k)

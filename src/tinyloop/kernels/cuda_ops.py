@@ -627,6 +627,9 @@ def _product(
 # GLUON_GEMM_MAX_ROWS rows (beyond, cuBLAS's compute-bound tiles win).
 USE_GLUON_GEMM = False
 GLUON_GEMM_MAX_ROWS = 512
+# Only products whose K is at least this many times N (0: all): where cuBLAS splits K into extra launches (a
+# memset, the split GEMM, a reduction, and a copy for the residual) and the Gluon kernel splits it in one.
+GLUON_GEMM_MIN_K_OVER_N = 0.0
 # (N, K, rows rounded up to a power of two) -> (BLOCK_M, BLOCK_N, warps, stages, split_k): BLOCK_N weight rows
 # (64, 128 or 256) times BLOCK_M rows of x per program. Filled by benchmark sweeps; split_k 0 picks enough K
 # splits to give every SM a program.
@@ -675,8 +678,8 @@ def _gluon_gemm_applies(h: torch.Tensor, w: BlockedInt4Weight) -> bool:
 
     M, K = h.shape
     aligned = h.is_contiguous() and h.data_ptr() % 16 == 0 and w.packed.data_ptr() % 16 == 0
-    return (USE_GLUON_GEMM and M <= GLUON_GEMM_MAX_ROWS and aligned and w.packed.is_contiguous()
-            and gluon_gemm_int4.applies(K, w.group_size, h.element_size()))  # fmt: skip
+    return (USE_GLUON_GEMM and M <= GLUON_GEMM_MAX_ROWS and K >= GLUON_GEMM_MIN_K_OVER_N * w.shape[0] and aligned
+            and w.packed.is_contiguous() and gluon_gemm_int4.applies(K, w.group_size, h.element_size()))  # fmt: skip
 
 
 def _gemm_int4_gluon(
