@@ -674,12 +674,13 @@ def _gluon_gemm_scratch(device: torch.device, elements: int, tiles: int) -> tupl
 
 
 def _gluon_gemm_applies(h: torch.Tensor, w: BlockedInt4Weight) -> bool:
+    M, K = h.shape
+    if not USE_GLUON_GEMM or M > GLUON_GEMM_MAX_ROWS or K < GLUON_GEMM_MIN_K_OVER_N * w.shape[0]:
+        return False  # the common case (off): nothing else to look at on every prefill product
     from tinyloop.kernels import gluon_gemm_int4
 
-    M, K = h.shape
     aligned = h.is_contiguous() and h.data_ptr() % 16 == 0 and w.packed.data_ptr() % 16 == 0
-    return (USE_GLUON_GEMM and M <= GLUON_GEMM_MAX_ROWS and K >= GLUON_GEMM_MIN_K_OVER_N * w.shape[0] and aligned
-            and w.packed.is_contiguous() and gluon_gemm_int4.applies(K, w.group_size, h.element_size()))  # fmt: skip
+    return aligned and w.packed.is_contiguous() and gluon_gemm_int4.applies(K, w.group_size, h.element_size())
 
 
 def _gemm_int4_gluon(
