@@ -44,6 +44,7 @@ class RuntimeEnv:
     disable_gluon_gemv: bool
     disable_staged_gemv: bool
     disable_flash2_prefill: bool
+    disable_l2_residency: bool
     use_cudnn_sdpa: bool
     cross_iter_round: bool
     cuda_profile: bool
@@ -65,6 +66,7 @@ class RuntimeEnv:
             disable_gluon_gemv=_flag("TINYLOOP_DISABLE_GLUON_GEMV"),
             disable_staged_gemv=_flag("TINYLOOP_DISABLE_STAGED_GEMV"),
             disable_flash2_prefill=_flag("TINYLOOP_DISABLE_FLASH2_PREFILL"),
+            disable_l2_residency=_flag("TINYLOOP_DISABLE_L2_RESIDENCY"),
             use_cudnn_sdpa=_flag("TINYLOOP_USE_CUDNN_SDPA"),
             cross_iter_round=_flag("TINYLOOP_CROSS_ITER_ROUND"),
             cuda_profile=_flag("TINYLOOP_CUDA_PROFILE"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from tinyloop.model.layers import KVStore, StepContext, rope_tables
 from tinyloop.model.looped import ForwardOutput, forward, state_noise_table
 from tinyloop.model.weights import ModelWeights
 from tinyloop.runtime.decode_path import Decoder, select_decoder
+
+if TYPE_CHECKING:
+    from tinyloop.kernels.l2_residency import L2Window
 
 # Steps of at most this many rows run on one CPU thread: single-row products are bound by memory reads, a
 # second thread does not speed them up, and on a busy machine the thread pool waits on every op (a 17-token
@@ -37,11 +41,21 @@ def cpu_threads_for(device: torch.device, rows: int) -> Iterator[None]:
 class Engine:
     """A model's weights on one device, plus the tables every step shares (RoPE, start-state noise)."""
 
-    def __init__(self, cfg: ArchConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        cfg: ArchConfig,
+        weights: ModelWeights,
+        device: torch.device,
+        dtype: torch.dtype,
+        l2_window: L2Window | None = None,
+    ) -> None:
         self.cfg = cfg
         self.weights = weights
         self.device = device
         self.dtype = dtype
+        # Where the looped weights sit in one arena that L2 keeps (kernels/l2_residency.py): decode graphs
+        # are captured from a stream carrying this window.
+        self.l2_window = l2_window
         self.cos, self.sin = rope_tables(cfg, cfg.max_position, device)
         self.noise = state_noise_table(cfg, device)
         self.decoder: Decoder | None = select_decoder(self)

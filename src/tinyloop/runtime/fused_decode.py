@@ -22,8 +22,9 @@ import torch
 from tinyloop.cache.kv import KVCache
 from tinyloop.cache.slots import body_slot, coda_slot, prelude_slot
 from tinyloop.kernels import cuda_ops as ops
+from tinyloop.kernels import l2_residency
 from tinyloop.kernels.attention_backend import sdpa
-from tinyloop.log import detail
+from tinyloop.log import detail, info
 from tinyloop.model.looped import ForwardOutput, embed, gate_logit, initial_state
 from tinyloop.model.weights import LayerWeights
 from tinyloop.quant import Int4Weight
@@ -78,6 +79,7 @@ class FusedDecoder:
         self._graphs: OrderedDict[tuple[int, ...], _Graph] = OrderedDict()
         self._seen: set[tuple[int, ...]] = set()
         self._pool: Any = None
+        self._stream: torch.cuda.Stream | None = None
         self._scratch: KVCache | None = None
         # Bytes the captured graphs keep allocated (their activations live in a private pool).
         self.graph_bytes = 0
@@ -213,12 +215,25 @@ class FusedDecoder:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.memory_allocated(dev)
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream()):
             output = self._forward(static_tokens, static_positions, cache, loops, last_only, static_resume, start_loop)
         nbytes = torch.cuda.memory_allocated(dev) - before
         self.graph_bytes += nbytes
         detail(f"captured a CUDA graph: batch {tokens.shape[0]}, tokens {tokens.shape[1]}, loops {loops}")
         return _Graph(graph, static_tokens, static_positions, output, static_resume, nbytes)
+
+    def _capture_stream(self) -> torch.cuda.Stream:
+        """The stream graphs are captured from: one per decoder, carrying the engine's L2 window (if any), which
+        the captured kernel nodes keep."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.engine.device)
+            window = self.engine.l2_window
+            if window is not None:
+                try:
+                    l2_residency.set_stream_window(self._stream, window)
+                except l2_residency.DriverError as exc:
+                    info(f"L2 residency: the decode graphs' stream takes no window ({exc}); not applied")
+        return self._stream
 
     # ---- the fused forward -------------------------------------------------------------------
     @contextmanager

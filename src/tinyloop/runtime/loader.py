@@ -13,6 +13,7 @@ from tinyloop.format.header import ModelHeader, read_header
 from tinyloop.format.reader import load_weights
 from tinyloop.kernels import cuda_backend
 from tinyloop.kernels.dispatch import Weight
+from tinyloop.kernels.l2_residency import L2Plan, keep_looped_resident
 from tinyloop.log import info
 from tinyloop.model.weights import ModelWeights
 from tinyloop.quant import BlockedInt4Weight, Int4Weight, Int8Weight
@@ -127,14 +128,20 @@ def load_engine(
         {n: w for n, w in flat.items() if n not in kept}, device, compute,
         keep_int4=kernels, dense_body=cuda_env is not None and cuda_env.fp16_body,
     )  # fmt: skip
+    l2_plan = None
     if cuda_env is not None:
-        report_cuda_memory(dense, cuda_env)
+        off = "TINYLOOP_DISABLE_L2_RESIDENCY" if cuda_env.disable_l2_residency else None
+        if not kernels:
+            off = "no Triton kernels, so no decode graphs to carry the window"
+        dense, l2_plan = keep_looped_resident(dense, device, cuda_backend.l2_cache_bytes(), off)
+        report_cuda_memory(dense, cuda_env, l2_plan)
     weights = ModelWeights.from_flat(header.config, {**dense, **kept})
-    return header, Engine(header.config, weights, device, compute)
+    l2_window = None if l2_plan is None else l2_plan.window
+    return header, Engine(header.config, weights, device, compute, l2_window=l2_window)
 
 
-def report_cuda_memory(weights: Mapping[str, Weight], env: RuntimeEnv) -> None:
-    """Level-1 lines: weight VRAM (and the 16-bit body's extra cost) and whether the body fits in L2."""
+def report_cuda_memory(weights: Mapping[str, Weight], env: RuntimeEnv, l2_plan: L2Plan) -> None:
+    """Level-1 lines: weight VRAM (and the 16-bit body's extra cost) and the L2 residency decision."""
 
     def nbytes(w: Weight) -> int:
         return w.nbytes if isinstance(w, (Int4Weight, Int8Weight)) else w.numel() * w.element_size()
@@ -143,6 +150,4 @@ def report_cuda_memory(weights: Mapping[str, Weight], env: RuntimeEnv) -> None:
     body = sum(nbytes(w) for n, w in weights.items() if n.startswith("body."))
     note = " (body dequantized to 16 bits: TINYLOOP_EXPERIMENTAL_FP16_BODY)" if env.fp16_body else ""
     info(f"weights on GPU: {total / 2**20:.1f} MiB, looped body {body / 2**20:.1f} MiB{note}")
-    l2 = cuda_backend.l2_cache_bytes()
-    fits = "fits" if body <= l2 else "does not fit"
-    info(f"L2 residency: body {body / 2**20:.1f} MiB {fits} in the {l2 / 2**20:.0f} MiB L2")
+    info(l2_plan.line)
