@@ -13,6 +13,8 @@ Every section saves the JSON so far; a failing section records its traceback and
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import statistics
@@ -1655,6 +1657,196 @@ def cli_section() -> dict[str, Any]:
             "profile_stdout": prof.stdout[-4000:], "profile_stderr": prof.stderr[-1500:]}  # fmt: skip
 
 
+# ---- session 13: prefill dequantization ahead of use, L2 residency --------------------------------
+def prefill_ahead_section() -> dict[str, Any]:
+    """Prefill with the INT4 layer matrices dequantized ahead of use on a side stream (fused_decode.
+    DEQUANTIZE_AHEAD) against in line at first use, then where the 128-token prefill's time goes with it on."""
+    from tinyloop.runtime import fused_decode
+
+    def switch(on: bool) -> None:
+        fused_decode.DEQUANTIZE_AHEAD = on
+
+    res = _prefill_on_off(switch, "ahead", (128, 1024))
+    switch(True)
+    res["profile_128"] = _profile_prefill(128)
+    res["profile_1024"] = _profile_prefill(1024)
+    return res
+
+
+def _driver_constants() -> dict[str, Any]:
+    """The driver enum values kernels/l2_residency.py hard-codes, against the CUDA Python bindings' (if any)."""
+    from tinyloop.kernels import l2_residency as l2
+
+    ours = {
+        "CU_LIMIT_PERSISTING_L2_CACHE_SIZE": l2._CU_LIMIT_PERSISTING_L2_CACHE_SIZE,
+        "CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE": l2._CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE,
+        "CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE": l2._CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE,
+        "CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW": l2._CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW,
+        "CU_ACCESS_PROPERTY_STREAMING": l2._CU_ACCESS_PROPERTY_STREAMING,
+        "CU_ACCESS_PROPERTY_PERSISTING": l2._CU_ACCESS_PROPERTY_PERSISTING,
+    }
+    out: dict[str, Any] = {"ours": ours}
+    try:
+        try:
+            from cuda.bindings import driver as cu  # type: ignore[import-not-found]
+        except ImportError:
+            from cuda import cuda as cu  # type: ignore[import-not-found,no-redef]
+        theirs = {
+            "CU_LIMIT_PERSISTING_L2_CACHE_SIZE": int(cu.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE),
+            "CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE": int(
+                cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE),
+            "CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE": int(
+                cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE),
+            "CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW": int(
+                cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW),
+            "CU_ACCESS_PROPERTY_STREAMING": int(cu.CUaccessProperty.CU_ACCESS_PROPERTY_STREAMING),
+            "CU_ACCESS_PROPERTY_PERSISTING": int(cu.CUaccessProperty.CU_ACCESS_PROPERTY_PERSISTING),
+        }  # fmt: skip
+        out["bindings"] = theirs
+        out["agree"] = theirs == ours
+    except Exception as exc:  # noqa: BLE001 - the bindings are optional on the device
+        out["bindings_error"] = repr(exc)
+    return out
+
+
+def _graph_kernel_windows() -> dict[str, Any]:
+    """Does a graph captured from a stream with an access-policy window keep it on its kernel nodes? A small
+    torch graph captured from such a stream, its kernel nodes' window attribute read back."""
+    import ctypes
+
+    from tinyloop.kernels import l2_residency as l2
+
+    drv = l2._driver()
+    arena = torch.empty(4 << 20, dtype=torch.uint8, device="cuda")
+    l2.set_persisting_limit(4 << 20)
+    window = l2.L2Window(arena.data_ptr(), arena.numel(), 1.0)
+    stream = torch.cuda.Stream()
+    l2.set_stream_window(stream, window)
+    back = l2.stream_window(stream)
+    x = torch.randn(256, 256, device="cuda")
+    x.mul_(2)
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(graph, stream=stream):
+        y = (x * 2 + 1) @ x
+    raw = ctypes.c_void_p(graph.raw_cuda_graph())
+    count = ctypes.c_size_t(0)
+    drv.cuGraphGetNodes(raw, None, ctypes.byref(count))
+    nodes = (ctypes.c_void_p * count.value)()
+    drv.cuGraphGetNodes(raw, nodes, ctypes.byref(count))
+    kernels = []
+    for node in nodes:
+        kind = ctypes.c_int()
+        drv.cuGraphNodeGetType(ctypes.c_void_p(node), ctypes.byref(kind))
+        if kind.value != 0:  # CU_GRAPH_NODE_TYPE_KERNEL
+            continue
+        value = l2._StreamAttrValue()
+        status = drv.cuGraphKernelNodeGetAttribute(ctypes.c_void_p(node), ctypes.c_int(1), ctypes.byref(value))
+        w = value.window
+        kernels.append({"status": status, "base_matches": (w.base_ptr or 0) == window.base,
+                        "num_bytes": int(w.num_bytes), "hit_ratio": float(w.hit_ratio)})  # fmt: skip
+    graph.instantiate()
+    graph.replay()
+    torch.cuda.synchronize()
+    ok = torch.allclose(y, (x * 2 + 1) @ x, rtol=1e-3, atol=1e-3)
+    return {"stream_window_read_back": back == window, "kernel_nodes": kernels, "replay_correct": bool(ok)}
+
+
+def _reset_l2() -> None:
+    """No persisting share and no persisting lines left from an earlier model (for a fair off run)."""
+    import ctypes
+
+    from tinyloop.kernels import l2_residency as l2
+
+    torch.cuda.synchronize()
+    l2._call("cuCtxResetPersistingL2Cache")
+    l2._call("cuCtxSetLimit", ctypes.c_int(l2._CU_LIMIT_PERSISTING_L2_CACHE_SIZE), ctypes.c_size_t(0))
+
+
+def _l2_ab(path: str, rounds: int = 2, partial: bool = False) -> dict[str, Any]:
+    """Fresh models of `path` with L2 residency off (TINYLOOP_DISABLE_L2_RESIDENCY) and on, alternated: 64 raw
+    decode steps at 8 loops after a 128-token prompt (ms), the window each got, and 32 greedy tokens."""
+    from tinyloop.kernels import l2_residency as l2
+    from tinyloop.runtime.fused_decode import FusedDecoder
+
+    l2.PARTIAL_WINDOW = partial
+    out: dict[str, Any] = {"ms": {}, "window": {}, "tokens_equal": None, "capture_stream_window": None}
+    tokens: dict[str, list[int]] = {}
+    for _ in range(rounds):
+        for label, flag in (("off", "1"), ("on", "0")):
+            env = {"TINYLOOP_DISABLE_L2_RESIDENCY": flag}
+            _reset_l2()
+            m = with_env(env, lambda: tinyloop.Model(path, max_seq_len=512, device="cuda"))
+            eng = m._engine
+            vocab = m.config["vocab_size"]
+            prompt = torch.as_tensor(np.random.default_rng(4).integers(0, vocab, (1, 128)), dtype=torch.long)
+            cache = eng.new_cache(1, 260, 8)
+            eng.step(prompt, cache, 8, last_only=True)
+            tok = torch.tensor([[5]])
+
+            def raw(cache: Any = cache, eng: Any = eng, tok: Any = tok) -> None:
+                cache.truncate(128)
+                for _ in range(64):
+                    eng.step(tok, cache, 8, last_only=True)
+
+            raw()
+            out["ms"].setdefault(label, []).append(1e3 * statistics.median(timed(raw, 5)))
+            w = eng.l2_window
+            out["window"][label] = None if w is None else {"nbytes": w.nbytes, "hit_ratio": w.hit_ratio}
+            dec = eng.decoder
+            if label == "on" and w is not None and isinstance(dec, FusedDecoder) and dec._stream is not None:
+                back = l2.stream_window(dec._stream)
+                out["capture_stream_window"] = back == w
+                out["persisting_limit"] = l2.persisting_limit()
+            tokens[label] = [int(t) for t in m.generate(prompt[0].numpy(), 32, loops=8, temperature=0.0)]
+            m.close()
+            torch.cuda.empty_cache()
+    out["tokens_equal"] = tokens["on"] == tokens["off"]
+    l2.PARTIAL_WINDOW = False
+    _reset_l2()
+    print(path, "L2", out, flush=True)
+    return out
+
+
+def l2_section() -> dict[str, Any]:
+    """L2 residency (kernels/l2_residency.py): driver constants, the device's limits, graph kernel nodes
+    keeping the capture stream's window, the level-1 lines, and decode off vs on for the built-in model, a
+    one-body-layer seed-407m (fits), and seed-407m itself with a partial window."""
+    import dataclasses
+
+    from tinyloop.convert.random_model import write_random_model
+    from tinyloop.kernels import l2_residency as l2
+    from tinyloop.presets import preset
+
+    res: dict[str, Any] = {"constants": _driver_constants()}
+    res["limits"] = dict(zip(("max_persisting", "max_window"), l2.device_limits(torch.device("cuda")), strict=True))
+    res["graph_nodes"] = _graph_kernel_windows()
+    print("L2", res, flush=True)
+    one_body = "/tmp/seed-1body.tinyloop"
+    if not Path(one_body).exists():
+        cfg = dataclasses.replace(preset("seed-407m"), n_body=1, name="seed-1body")
+        write_random_model(Path(one_body), cfg, 0, 4, 64, progress=False)
+    wait_for_models(SEED_PATH)
+    lines = {}
+    for path in ("tiny", one_body, SEED_PATH):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            tinyloop.Model(path, max_seq_len=256, device="cuda").close()
+        lines[path] = [ln for ln in err.getvalue().splitlines() if "L2" in ln or "weights on GPU" in ln]
+        _reset_l2()
+    res["log_lines"] = lines
+    print(lines, flush=True)
+    res["tiny"] = _l2_ab("tiny")
+    res["seed_1body"] = _l2_ab(one_body)
+    res["seed407m_partial"] = _l2_ab(SEED_PATH, partial=True)
+    return res
+
+
+def headline_section() -> dict[str, Any]:
+    """The issue table's rows (seed-407m INT4 at 8 loops; Ouro-1.4B's shape at 4 loops) with current defaults."""
+    wait_for_models()
+    return {"seed407m": generation_numbers(SEED_PATH, 8), "ouro": generation_numbers(OURO_PATH, 4)}
+
+
 SECTIONS = {
     "env": env_section,
     "correctness": correctness_section,
@@ -1685,6 +1877,9 @@ SECTIONS = {
     "staged_policy": staged_policy_section,
     "timeline": timeline_section,
     "tiny_gemv": tiny_gemv_section,
+    "prefill_ahead": prefill_ahead_section,
+    "l2": l2_section,
+    "headline": headline_section,
 }
 
 

@@ -46,6 +46,8 @@ MAX_GRAPHS = 32
 # (seed-407m: 822 MB for its eight layers; Ouro-1.4B's shape: 2.7 GB); larger models dequantize each matrix
 # into scratch before every use.
 DENSE_BODY_MAX_FRACTION = 0.125
+# Off: each matrix is dequantized in line at its first use instead (still once per prefill); for A/B runs.
+DEQUANTIZE_AHEAD = True
 
 
 @dataclass
@@ -250,6 +252,8 @@ class FusedDecoder:
         head = self.engine.weights.head
         if ops.product_dequantizes(head, head_rows):
             ahead.append(head)
+        if not DEQUANTIZE_AHEAD:
+            ahead = []
         with ops.dense_weights_reused(self._body_matrices, ahead, self.engine.dtype) as reuse:
             yield
             if reuse.nbytes > self.dense_body_bytes:
