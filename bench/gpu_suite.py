@@ -1657,22 +1657,7 @@ def cli_section() -> dict[str, Any]:
             "profile_stdout": prof.stdout[-4000:], "profile_stderr": prof.stderr[-1500:]}  # fmt: skip
 
 
-# ---- session 13: prefill dequantization ahead of use, L2 residency --------------------------------
-def prefill_ahead_section() -> dict[str, Any]:
-    """Prefill with the INT4 layer matrices dequantized ahead of use on a side stream (fused_decode.
-    DEQUANTIZE_AHEAD) against in line at first use, then where the 128-token prefill's time goes with it on."""
-    from tinyloop.runtime import fused_decode
-
-    def switch(on: bool) -> None:
-        fused_decode.DEQUANTIZE_AHEAD = on
-
-    res = _prefill_on_off(switch, "ahead", (128, 1024))
-    switch(True)
-    res["profile_128"] = _profile_prefill(128)
-    res["profile_1024"] = _profile_prefill(1024)
-    return res
-
-
+# ---- session 13: L2 residency --------------------------------
 def _driver_constants() -> dict[str, Any]:
     """The driver enum values kernels/l2_residency.py hard-codes, against the CUDA Python bindings' (if any)."""
     from tinyloop.kernels import l2_residency as l2
@@ -1724,7 +1709,8 @@ def _graph_kernel_windows() -> dict[str, Any]:
     l2.set_stream_window(stream, window)
     back = l2.stream_window(stream)
     x = torch.randn(256, 256, device="cuda")
-    x.mul_(2)
+    (x * 2 + 1) @ x  # initializes cuBLAS outside the capture
+    torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph(keep_graph=True)
     with torch.cuda.graph(graph, stream=stream):
         y = (x * 2 + 1) @ x
@@ -1877,7 +1863,6 @@ SECTIONS = {
     "staged_policy": staged_policy_section,
     "timeline": timeline_section,
     "tiny_gemv": tiny_gemv_section,
-    "prefill_ahead": prefill_ahead_section,
     "l2": l2_section,
     "headline": headline_section,
 }

@@ -320,35 +320,6 @@ def test_dense_weights_reused_dequantizes_kept_weights_once_per_scope() -> None:
     assert ops._dense_weight(kept, torch.float32) is not first
 
 
-def test_dense_weights_reused_ahead_serves_every_product_from_the_copies() -> None:
-    gen = torch.Generator().manual_seed(9)
-    early = [quantize_int4(torch.randn(16 * (i + 1), 128, generator=gen), 32) for i in range(3)]
-    dense_kept = torch.randn(8, 128, generator=gen)  # a 16-bit matrix among them: nothing to dequantize
-    with ops.dense_weights_reused([], [*early, dense_kept], torch.float32) as scope:
-        assert scope.ahead_calls == 3 and not scope.pending  # the CPU path: dequantized in line
-        copies = [ops._dense_weight(w, torch.float32) for w in early]
-        for w, copy in zip(early, copies, strict=True):
-            assert torch.equal(copy, w.dequantize()) and ops._dense_weight(w, torch.float32) is copy
-        assert scope.lazy_calls == 0 and scope.nbytes == sum(c.nbytes for c in copies)
-        assert ops._dense_weight(early[0], torch.float64).dtype == torch.float64 and scope.lazy_calls == 1
-    with pytest.raises(ValueError, match="need a dtype"):
-        with ops.dense_weights_reused([], early):
-            pass
-
-
-def test_product_dequantizes_follows_the_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    w = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(64, 256), 64))
-    many = max(ops.BLOCKED_GEMM_MAX_ROWS, ops.INT4_GEMM_MAX_ROWS) + 1
-    assert ops.product_dequantizes(w, many) and not ops.product_dequantizes(w, 1)
-    assert not ops.product_dequantizes(torch.randn(64, 256), many)
-    monkeypatch.setattr(ops, "USE_GLUON_GEMM", True)
-    monkeypatch.setattr(ops, "GLUON_GEMM_MAX_ROWS", many)
-    assert not ops.product_dequantizes(w, many)  # the Gluon INT4 GEMM takes it
-    monkeypatch.setattr(ops, "USE_CUBLAS_16BIT", False)
-    monkeypatch.setattr(ops, "USE_GLUON_GEMM", False)
-    assert not ops.product_dequantizes(w, many)
-
-
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("blocked", [False, True], ids=["plain", "blocked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -371,16 +371,6 @@ def int4_rows_on_cublas(rows: int) -> bool:
     return USE_CUBLAS_16BIT and rows > max(BLOCKED_GEMM_MAX_ROWS, INT4_GEMM_MAX_ROWS)
 
 
-def product_dequantizes(w: Weight, rows: int) -> bool:
-    """Whether `fused_linear` of `rows` rows times INT4 `w` dequantizes it for cuBLAS (not a fused INT4 kernel;
-    the Gluon GEMM's alignment checks aside, which only it can make)."""
-    if isinstance(w, BlockedInt4Weight):
-        n, k = w.shape
-        gluon = USE_GLUON_GEMM and rows <= GLUON_GEMM_MAX_ROWS and k >= GLUON_GEMM_MIN_K_OVER_N * n
-        return int4_rows_on_cublas(rows) and not gluon
-    return isinstance(w, Int4Weight) and USE_CUBLAS_16BIT and rows > DOT_MAX_ROWS
-
-
 def _matmul_config(m: int, n: int, group: int) -> tuple[int, int, int, int, int]:
     block_m = 16 if m <= 16 else (32 if m <= 64 else 64)
     return block_m, 64 if n >= 4096 else 32, max(group, 64), 4, 3
@@ -514,11 +504,10 @@ def _splitk_linear(
     return out
 
 
-def dequantize_int4(w: Int4Weight, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The dense [N, K] weight in `dtype` (into `out` if given), computed on the weight's device."""
+def dequantize_int4(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
+    """The dense [N, K] weight in `dtype`, computed on the weight's device."""
     N, K = w.shape
-    if out is None:
-        out = torch.empty((N, K), dtype=dtype, device=w.packed.device)
+    out = torch.empty((N, K), dtype=dtype, device=w.packed.device)
     block_n, block_k = 16, max(w.group_size, 128)
     grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
     _dequant_kernel[grid](
@@ -529,95 +518,33 @@ def dequantize_int4(w: Int4Weight, dtype: torch.dtype, out: torch.Tensor | None 
 
 
 class DenseReuse:
-    """Dense copies of chosen INT4 weights, made once per scope (`dense_weights_reused`) and kept until it
-    ends: ahead of use on a side CUDA stream, or on first use by a many-row matmul."""
+    """Dense copies of chosen INT4 weights, made on first use by a many-row matmul and kept until the
+    scope that owns them ends (`dense_weights_reused`)."""
 
     def __init__(self, weights: Iterable[Weight]) -> None:
         self.keep = {id(w) for w in weights if isinstance(w, Int4Weight)}
         self.dense: dict[int, tuple[Weight, torch.Tensor]] = {}
-        # Copies still being written on the side stream: the event a consumer's stream waits on once.
-        self.pending: dict[int, torch.cuda.Event] = {}
-        self.ahead_calls = 0  # dequantizations issued ahead of use
-        self.lazy_calls = 0  # dequantizations on first use (weights not taken ahead, or another dtype)
 
     @property
     def nbytes(self) -> int:
         return sum(d.nbytes for _, d in self.dense.values())
 
-    def dequantize_ahead(self, weights: list[Int4Weight], dtype: torch.dtype) -> torch.cuda.Stream | None:
-        """Dequantizes `weights` (in their order of first use) into copies allocated on the current stream; on
-        CUDA the kernels run on a side stream that the caller joins back (the returned stream), so they overlap
-        the products that come before each copy is needed. Capture-safe: a fork and a join of the current
-        stream, with events in between."""
-        if not weights:
-            return None
-        device = weights[0].packed.device
-        copies = [torch.empty(w.shape, dtype=dtype, device=device) for w in weights]
-        for w, copy in zip(weights, copies, strict=True):
-            self.dense[id(w)] = (w, copy)
-        self.ahead_calls += len(weights)
-        if device.type != "cuda":
-            for w, copy in zip(weights, copies, strict=True):
-                dequantize_int4(w, dtype, copy)
-            return None
-        side = _side_stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            for w, copy in zip(weights, copies, strict=True):
-                dequantize_int4(w, dtype, copy)
-                ready = torch.cuda.Event()
-                ready.record(side)
-                self.pending[id(w)] = ready
-        return side
-
-    def get(self, w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
-        hit = self.dense.get(id(w))
-        if hit is None or hit[1].dtype != dtype:
-            self.lazy_calls += 1
-            hit = self.dense[id(w)] = (w, dequantize_int4(w, dtype))
-        ready = self.pending.pop(id(w), None)
-        if ready is not None:
-            torch.cuda.current_stream(hit[1].device).wait_event(ready)
-        return hit[1]
-
 
 _DENSE_REUSE = threading.local()  # .scope: the calling thread's innermost DenseReuse, if any
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for work issued ahead of the current stream (reused: creating a stream
-    costs more than the kernels it would carry)."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    return _SIDE_STREAMS[device]
 
 
 @contextmanager
-def dense_weights_reused(
-    weights: Iterable[Weight], ahead: Iterable[Weight] = (), dtype: torch.dtype | None = None
-) -> Iterator[DenseReuse]:
+def dense_weights_reused(weights: Iterable[Weight]) -> Iterator[DenseReuse]:
     """Within the scope (per thread), a many-row (cuBLAS) matmul dequantizes each of `weights` once and
     reuses the copy: a prefill through a looped body otherwise dequantizes every body matrix once per loop
-    (H200, seed-407m, 128 tokens at 8 loops: 1.5 of 4.4 ms of kernel time). The INT4 ones among `ahead` (in
-    order of first use) are dequantized to `dtype` when the scope opens, on a side stream on CUDA, so that
-    no product waits for its weight's dequantization in line. The copies are freed when it ends (after the
-    current stream has joined the side stream)."""
-    keep = list(weights)
-    early = [w for w in ahead if isinstance(w, Int4Weight)]
+    (H200, seed-407m, 128 tokens at 8 loops: 1.5 of 4.4 ms of kernel time). The copies are freed when it
+    ends."""
     outer = getattr(_DENSE_REUSE, "scope", None)
-    scope = _DENSE_REUSE.scope = DenseReuse([*keep, *early])
-    side = None
+    scope = _DENSE_REUSE.scope = DenseReuse(weights)
     try:
-        if early:
-            if dtype is None:
-                raise ValueError("dense_weights_reused: weights to dequantize ahead need a dtype")
-            side = scope.dequantize_ahead(early, dtype)
         yield scope
     finally:
         _DENSE_REUSE.scope = outer
-        if side is not None:
-            torch.cuda.current_stream(side.device).wait_stream(side)
 
 
 def _dense_weight(w: Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -629,7 +556,10 @@ def _dense_weight(w: Weight, dtype: torch.dtype) -> torch.Tensor:
     scope: DenseReuse | None = getattr(_DENSE_REUSE, "scope", None)
     if scope is None or id(w) not in scope.keep:
         return dequantize_int4(w, dtype)
-    return scope.get(w, dtype)
+    hit = scope.dense.get(id(w))
+    if hit is None or hit[1].dtype != dtype:
+        hit = scope.dense[id(w)] = (w, dequantize_int4(w, dtype))
+    return hit[1]
 
 
 def _linear_unfused(

@@ -41,13 +41,10 @@ ROPE_ATTENTION_ONE_KERNEL = True
 # length visits them all: with 8 kept, seed-407m's (2, 8) run on the H200 re-captured graphs every round
 # and decoded at 231 tokens/s against 573 plain. The graphs share one memory pool, so each costs little.
 MAX_GRAPHS = 32
-# A prefill dequantizes its INT4 layer matrices ahead of use on a side stream, the looped body once for all
-# loops (not once per loop), when their 16-bit copies take at most this share of the device's memory
-# (seed-407m: 822 MB for its eight layers; Ouro-1.4B's shape: 2.7 GB); larger models dequantize each matrix
-# into scratch before every use.
+# A prefill dequantizes the looped body once (not once per loop) when its 16-bit copy takes at most this
+# share of the device's memory (seed-407m: 411 MB; Ouro-1.4B's shape: 2.7 GB); larger bodies dequantize
+# each matrix into scratch before every use.
 DENSE_BODY_MAX_FRACTION = 0.125
-# Off: each matrix is dequantized in line at its first use instead (still once per prefill); for A/B runs.
-DEQUANTIZE_AHEAD = True
 
 
 @dataclass
@@ -91,16 +88,13 @@ class FusedDecoder:
         w = self.engine.weights
         self._gate_weight = None if w.exit_gate_weight is None else w.exit_gate_weight.float().reshape(1, -1)
         self._gate_bias = None if w.exit_gate_bias is None else w.exit_gate_bias.float().reshape(1)
-        self._prelude_matrices = [m for lw in w.prelude for m in lw.matrices()]
         # The matrices each loop multiplies: the concat adapter's and the body's.
         adapter = [] if w.adapter is None else [w.adapter]
         self._body_matrices = [*adapter, *(m for lw in w.body for m in lw.matrices())]
-        self._coda_matrices = [m for lw in w.coda for m in lw.matrices()]
-        layers = [*self._prelude_matrices, *self._body_matrices, *self._coda_matrices, w.head]
-        int4_numel = sum(m.shape[0] * m.shape[1] for m in layers if isinstance(m, Int4Weight))
+        int4_numel = sum(m.shape[0] * m.shape[1] for m in self._body_matrices if isinstance(m, Int4Weight))
         budget = DENSE_BODY_MAX_FRACTION * _device_memory_bytes(engine.device)
         self._reuse_dense_body = 0 < 2 * int4_numel <= budget
-        # The most bytes a prefill's dense copies took: transient (freed when the step ends), so not in
+        # The most bytes a prefill's dense body copies took: transient (freed when the step ends), so not in
         # vram_usage_mb, which counts what stays allocated.
         self.dense_body_bytes = 0
         self._qkv_bias: dict[int, torch.Tensor | None] = {}
@@ -239,26 +233,17 @@ class FusedDecoder:
 
     # ---- the fused forward -------------------------------------------------------------------
     @contextmanager
-    def _dense_body_scope(self, rows: int, head_rows: int, loops_run: int, resumed: bool) -> Iterator[None]:
-        """Around a step whose matmuls go to cuBLAS (a prefill), where the 16-bit copies fit the budget: every
-        INT4 matrix it multiplies on cuBLAS is dequantized ahead of use on a side stream, in order of first use
-        (the prelude's unless the step resumes the loop, the loop's once for all loops, the coda's, the head's
-        where all rows get logits)."""
-        if not (self._reuse_dense_body and ops.int4_rows_on_cublas(rows) and loops_run > 0):
+    def _dense_body_scope(self, rows: int, loops_run: int) -> Iterator[None]:
+        """Around a step whose matmuls go to cuBLAS (a prefill) and that runs the body more than once: the
+        body's INT4 matrices dequantized once for all loops, where their 16-bit copies fit the budget."""
+        cublas_step = ops.int4_rows_on_cublas(rows)
+        if not (self._reuse_dense_body and cublas_step and loops_run > 1):
             yield
             return
-        order = [*([] if resumed else self._prelude_matrices), *self._body_matrices, *self._coda_matrices]
-        ahead = [m for m in order if ops.product_dequantizes(m, rows)]
-        head = self.engine.weights.head
-        if ops.product_dequantizes(head, head_rows):
-            ahead.append(head)
-        if not DEQUANTIZE_AHEAD:
-            ahead = []
-        with ops.dense_weights_reused(self._body_matrices, ahead, self.engine.dtype) as reuse:
+        with ops.dense_weights_reused(self._body_matrices) as reuse:
             yield
             if reuse.nbytes > self.dense_body_bytes:
-                mib = reuse.nbytes / 2**20
-                detail(f"prefill: layer matrices dequantized ahead of use ({mib:.0f} MiB while it runs)")
+                detail(f"prefill: body dequantized once for all loops ({reuse.nbytes / 2**20:.0f} MiB while it runs)")
                 self.dense_body_bytes = reuse.nbytes
 
     def _forward(
@@ -271,9 +256,7 @@ class FusedDecoder:
         resume: tuple[torch.Tensor, torch.Tensor] | None = None,
         start_loop: int = 0,
     ) -> ForwardOutput:
-        n_rows = tokens.numel()
-        head_rows = tokens.shape[0] if last_only else n_rows
-        with self._dense_body_scope(n_rows, head_rows, loops - start_loop, resume is not None):
+        with self._dense_body_scope(tokens.numel(), loops - start_loop):
             cfg, w, eng = self.cfg, self.engine.weights, self.engine
             B, T = tokens.shape
             if resume is None:
