@@ -1706,14 +1706,15 @@ def _graph_kernel_windows() -> dict[str, Any]:
     l2.set_persisting_limit(4 << 20)
     window = l2.L2Window(arena.data_ptr(), arena.numel(), 1.0)
     stream = torch.cuda.Stream()
-    l2.set_stream_window(stream, window)
-    back = l2.stream_window(stream)
     x = torch.randn(256, 256, device="cuda")
     (x * 2 + 1) @ x  # initializes cuBLAS outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(graph, stream=stream):
-        y = (x * 2 + 1) @ x
+    with l2.window_during(stream, window) as why:  # as the fused decoder captures
+        back = l2.stream_window(stream)
+        with torch.cuda.graph(graph, stream=stream):
+            y = (x * 2 + 1) @ x
+    after = l2.stream_window(stream)
     raw = ctypes.c_void_p(graph.raw_cuda_graph())
     count = ctypes.c_size_t(0)
     drv.cuGraphGetNodes(raw, None, ctypes.byref(count))
@@ -1734,7 +1735,8 @@ def _graph_kernel_windows() -> dict[str, Any]:
     graph.replay()
     torch.cuda.synchronize()
     ok = torch.allclose(y, (x * 2 + 1) @ x, rtol=1e-3, atol=1e-3)
-    return {"stream_window_read_back": back == window, "kernel_nodes": kernels, "replay_correct": bool(ok)}
+    return {"refused": why, "stream_window_read_back": back == window, "stream_window_after": after.nbytes,
+            "kernel_nodes": kernels, "replay_correct": bool(ok)}  # fmt: skip
 
 
 def _reset_l2() -> None:
@@ -1755,13 +1757,13 @@ def _l2_ab(path: str, rounds: int = 2, partial: bool = False) -> dict[str, Any]:
     from tinyloop.runtime.fused_decode import FusedDecoder
 
     l2.PARTIAL_WINDOW = partial
-    out: dict[str, Any] = {"ms": {}, "window": {}, "tokens_equal": None, "capture_stream_window": None}
+    out: dict[str, Any] = {"ms": {}, "window": {}, "tokens_equal": None, "capture_stream_window_after": None}
     tokens: dict[str, list[int]] = {}
     for _ in range(rounds):
         for label, flag in (("off", "1"), ("on", "0")):
             env = {"TINYLOOP_DISABLE_L2_RESIDENCY": flag}
             _reset_l2()
-            m = with_env(env, lambda: tinyloop.Model(path, max_seq_len=512, device="cuda"))
+            m = with_env(env, lambda: tinyloop.Model(path, max_seq_len=1024, device="cuda"))
             eng = m._engine
             vocab = m.config["vocab_size"]
             prompt = torch.as_tensor(np.random.default_rng(4).integers(0, vocab, (1, 128)), dtype=torch.long)
@@ -1780,10 +1782,15 @@ def _l2_ab(path: str, rounds: int = 2, partial: bool = False) -> dict[str, Any]:
             out["window"][label] = None if w is None else {"nbytes": w.nbytes, "hit_ratio": w.hit_ratio}
             dec = eng.decoder
             if label == "on" and w is not None and isinstance(dec, FusedDecoder) and dec._stream is not None:
-                back = l2.stream_window(dec._stream)
-                out["capture_stream_window"] = back == w
+                out["capture_stream_window_after"] = l2.stream_window(dec._stream).nbytes  # 0: cleared
                 out["persisting_limit"] = l2.persisting_limit()
+            print(path, label, "generate", flush=True)  # names the run if a capture fails
             tokens[label] = [int(t) for t in m.generate(prompt[0].numpy(), 32, loops=8, temperature=0.0)]
+            for n in (128, 1024):  # eager prefill after decode graphs ran (persisting lines in L2)
+                ids = np.random.default_rng(n).integers(0, vocab, n).astype(np.int32)
+                m.score_last(ids, loops=8)
+                ms = 1e3 * statistics.median(timed(lambda ids=ids, m=m: m.score_last(ids, loops=8), 10))
+                out.setdefault("prefill_ms", {}).setdefault(f"{label} {n}", []).append(ms)
             m.close()
             torch.cuda.empty_cache()
     out["tokens_equal"] = tokens["on"] == tokens["off"]
@@ -1822,7 +1829,7 @@ def l2_section() -> dict[str, Any]:
     res["log_lines"] = lines
     print(lines, flush=True)
     res["tiny"] = _l2_ab("tiny")
-    res["seed_1body"] = _l2_ab(one_body)
+    res["seed_1body"] = _l2_ab(one_body, rounds=3)
     res["seed407m_partial"] = _l2_ab(SEED_PATH, partial=True)
     return res
 

@@ -12,6 +12,9 @@ from tinyloop.api.handles import PrefixCache
 PREFIX = np.arange(40, 71, dtype=np.int32)  # 31 tokens: longer than the window fixture's 6 positions
 SUFFIX = np.array([5, 99, 7], dtype=np.int32)
 CACHED_MODES = ["16bit", "int8", "hidden", "window"]
+# A fresh run computes the prefix's K/V in a GEMM of more rows than the cache did, so a value a last float bit
+# apart can round to the neighbouring INT8 step (1/127 of its head's largest): the logits then move by ~1e-4.
+LOGITS_TOLERANCE = {"16bit": 1e-5, "int8": 1e-3, "hidden": 1e-5, "window": 1e-5}
 
 
 @pytest.mark.parametrize("mode", CACHED_MODES)
@@ -45,11 +48,11 @@ def test_logits_equal_a_fresh_run(models, mode: str) -> None:
     fresh = m._generation_cache(3)
     fresh.truncate(0)
     want = engine.step(torch.from_numpy(np.concatenate([PREFIX, SUFFIX]).astype(np.int64))[None], fresh, 3).logits[0]
-    assert max_rel_error(pc.last_logits(), want[PREFIX.size - 1]) <= 1e-5
+    assert max_rel_error(pc.last_logits(), want[PREFIX.size - 1]) <= LOGITS_TOLERANCE[mode]
     working = m._generation_cache(3)
     working.restore(pc.kv(), PREFIX.size, 3, PREFIX.size)
     got = engine.step(torch.from_numpy(SUFFIX.astype(np.int64))[None], working, 3).logits[0]
-    assert max_rel_error(got, want[PREFIX.size :]) <= 1e-5
+    assert max_rel_error(got, want[PREFIX.size :]) <= LOGITS_TOLERANCE[mode]
 
 
 def test_a_snapshot_holds_only_the_prefix_positions(models) -> None:

@@ -106,3 +106,34 @@ def test_environment_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not RuntimeEnv.read().disable_l2_residency
     monkeypatch.setenv("TINYLOOP_DISABLE_L2_RESIDENCY", "1")
     assert RuntimeEnv.read().disable_l2_residency
+
+
+def test_window_during_sets_then_clears_even_when_the_block_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[tuple[str, object]] = []
+    monkeypatch.setattr(l2, "set_stream_window", lambda stream, window: calls.append(("set", window)))
+    monkeypatch.setattr(l2, "clear_stream_window", lambda stream: calls.append(("clear", stream)))
+    window = l2.L2Window(4096, 1 << 20, 0.5)
+    stream = object()
+    with l2.window_during(stream, window) as why:  # type: ignore[arg-type]
+        assert why is None and calls == [("set", window)]
+    assert calls == [("set", window), ("clear", stream)]
+    calls.clear()
+    with pytest.raises(KeyError), l2.window_during(stream, window):  # type: ignore[arg-type]
+        raise KeyError("capture failed")
+    assert calls == [("set", window), ("clear", stream)]
+    calls.clear()
+    with l2.window_during(stream, None) as why:  # type: ignore[arg-type]
+        assert why is None
+    assert calls == []
+
+
+def test_window_during_says_why_when_the_driver_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(stream: object, window: object) -> None:
+        raise l2.DriverError("cuStreamSetAttribute returned CUresult 1")
+
+    cleared: list[object] = []
+    monkeypatch.setattr(l2, "set_stream_window", refuse)
+    monkeypatch.setattr(l2, "clear_stream_window", cleared.append)
+    with l2.window_during(object(), l2.L2Window(4096, 1 << 20, 1.0)) as why:  # type: ignore[arg-type]
+        assert why is not None and "CUresult 1" in why
+    assert cleared == []

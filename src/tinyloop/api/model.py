@@ -28,6 +28,7 @@ from tinyloop.cache.base import ModeCache
 from tinyloop.cache.factory import make_cache
 from tinyloop.env import RuntimeEnv
 from tinyloop.errors import ModelClosedError
+from tinyloop.kernels import l2_residency
 from tinyloop.model.weights import weight_bytes
 from tinyloop.runtime.generate import GenerationStats, SamplingParams, stream_tokens
 from tinyloop.runtime.loader import load_engine, pick_device
@@ -99,8 +100,11 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
             self._closed = True
             self._cache = None
             self._release_handles()
+            kept_in_l2 = getattr(self._engine, "l2_window", None) is not None
             del self._engine
             if self.device.type == "cuda":
+                if kept_in_l2:
+                    _release_l2_lines()
                 torch.cuda.empty_cache()
 
     @property
@@ -302,3 +306,10 @@ def load(path: str | os.PathLike[str], max_seq_len: int = 2048, device: str | to
 
 
 __all__ = ["Model", "load"]
+
+
+def _release_l2_lines() -> None:
+    try:
+        l2_residency.release_persisting_lines()
+    except l2_residency.DriverError as exc:
+        log.info(f"L2 residency: persisting lines not released on close ({exc})")

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -125,9 +126,13 @@ class DriverError(RuntimeError):
 @functools.cache
 def _driver() -> ctypes.CDLL:
     try:
-        return ctypes.CDLL("libcuda.so.1")
+        lib = ctypes.CDLL("libcuda.so.1")
     except OSError as exc:
         raise DriverError(f"the CUDA driver library libcuda.so.1 cannot be loaded ({exc})") from None
+    status = lib.cuInit(0)  # idempotent; torch may not have touched the driver yet
+    if status != 0:
+        raise DriverError(f"cuInit returned CUresult {status}")
+    return lib
 
 
 def _call(name: str, *args: object) -> None:
@@ -165,6 +170,12 @@ def set_persisting_limit(nbytes: int) -> int:
     return persisting_limit()
 
 
+def release_persisting_lines() -> None:
+    """Turns every persisting L2 line of the current context back to normal (a closed model's arena is gone;
+    other models' graphs keep their windows and re-acquire their lines as they read them)."""
+    _call("cuCtxResetPersistingL2Cache")
+
+
 def set_stream_window(stream: torch.cuda.Stream, window: L2Window) -> None:
     """Kernels launched on (or captured from) `stream` read the window's lines as persisting, the rest streaming."""
     value = _StreamAttrValue()
@@ -173,6 +184,32 @@ def set_stream_window(stream: torch.cuda.Stream, window: L2Window) -> None:
     )
     handle = ctypes.c_void_p(stream.cuda_stream)
     _call("cuStreamSetAttribute", handle, ctypes.c_int(_CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW), ctypes.byref(value))
+
+
+def clear_stream_window(stream: torch.cuda.Stream) -> None:
+    """`stream` carries no access-policy window any more (a zero-byte one)."""
+    value = _StreamAttrValue()
+    handle = ctypes.c_void_p(stream.cuda_stream)
+    _call("cuStreamSetAttribute", handle, ctypes.c_int(_CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW), ctypes.byref(value))
+
+
+@contextmanager
+def window_during(stream: torch.cuda.Stream, window: L2Window | None) -> Iterator[str | None]:
+    """`stream` carries `window` inside the block only, yielding None, or why it carries none (a driver
+    error). torch hands its pooled streams out again, and a window left on one would outlive the memory it
+    covers; graphs captured inside the block keep the window on their kernel nodes."""
+    if window is None:
+        yield None
+        return
+    try:
+        set_stream_window(stream, window)
+    except DriverError as exc:
+        yield str(exc)
+        return
+    try:
+        yield None
+    finally:
+        clear_stream_window(stream)
 
 
 def stream_window(stream: torch.cuda.Stream) -> L2Window:

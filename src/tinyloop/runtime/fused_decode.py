@@ -211,24 +211,24 @@ class FusedDecoder:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.memory_allocated(dev)
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream()):
-            output = self._forward(static_tokens, static_positions, cache, loops, last_only, static_resume, start_loop)
+        stream = self._capture_stream()
+        with l2_residency.window_during(stream, self.engine.l2_window) as no_window:
+            if no_window is not None:
+                info(f"L2 residency: the decode graph's capture stream takes no window ({no_window}); not applied")
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                output = self._forward(
+                    static_tokens, static_positions, cache, loops, last_only, static_resume, start_loop
+                )
         nbytes = torch.cuda.memory_allocated(dev) - before
         self.graph_bytes += nbytes
         detail(f"captured a CUDA graph: batch {tokens.shape[0]}, tokens {tokens.shape[1]}, loops {loops}")
         return _Graph(graph, static_tokens, static_positions, output, static_resume, nbytes)
 
     def _capture_stream(self) -> torch.cuda.Stream:
-        """The stream graphs are captured from: one per decoder, carrying the engine's L2 window (if any), which
-        the captured kernel nodes keep."""
+        """The stream graphs are captured from, one per decoder; it carries the engine's L2 window (if any)
+        during each capture only."""
         if self._stream is None:
             self._stream = torch.cuda.Stream(self.engine.device)
-            window = self.engine.l2_window
-            if window is not None:
-                try:
-                    l2_residency.set_stream_window(self._stream, window)
-                except l2_residency.DriverError as exc:
-                    info(f"L2 residency: the decode graphs' stream takes no window ({exc}); not applied")
         return self._stream
 
     # ---- the fused forward -------------------------------------------------------------------
