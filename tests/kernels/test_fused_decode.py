@@ -140,3 +140,54 @@ def test_fused_verification_step_resumes_like_generic() -> None:
         outs.append(out.logits)
         assert int(cache.lengths[0]) == 8
     assert max_rel_error(outs[0], outs[1]) <= 1e-4
+
+
+def test_cyclic_gc_paused_restores_the_collector_state() -> None:
+    import gc
+
+    from tinyloop.runtime.fused_decode import _cyclic_gc_paused
+
+    assert gc.isenabled()
+    with pytest.raises(KeyError), _cyclic_gc_paused():
+        assert not gc.isenabled()
+        raise KeyError("a capture failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with _cyclic_gc_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()  # left off, as the caller had it
+    finally:
+        gc.enable()
+
+
+def test_engine_close_releases_the_decoder_and_steps_fall_back_to_generic() -> None:
+    cfg, _, fused, generic = build("interleaved-qkbias-add")
+    tokens = torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
+    decoder = fused.decoder
+    assert isinstance(decoder, FusedDecoder)
+    decoder._scratch = fused.new_cache(1, 8, 2)  # what a scoring call leaves behind
+    decoder.graph_bytes = 123
+    fused.close()
+    assert fused.decoder is None and decoder._scratch is None and decoder.graph_bytes == 0
+    got = fused.step(tokens, fused.new_cache(1, 8, 2), 2).logits
+    want = generic.step(tokens, generic.new_cache(1, 8, 2), 2).logits
+    assert max_rel_error(got, want) <= 1e-4
+
+
+@pytest.mark.parametrize("close", [True, False])
+def test_engine_close_frees_it_without_the_cyclic_collector(close: bool) -> None:
+    import gc
+    import weakref
+
+    _, _, fused, generic = build("interleaved-qkbias-add")
+    ref = weakref.ref(fused)
+    gc.disable()
+    try:
+        if close:
+            fused.close()
+        del fused
+        assert (ref() is None) == close  # the decoder refers back to its engine: only close() breaks the cycle
+    finally:
+        gc.enable()
+        gc.collect()

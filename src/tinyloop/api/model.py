@@ -100,7 +100,8 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
             self._closed = True
             self._cache = None
             self._release_handles()
-            kept_in_l2 = getattr(self._engine, "l2_window", None) is not None
+            kept_in_l2 = self._engine.l2_window is not None
+            self._engine.close()
             del self._engine
             if self.device.type == "cuda":
                 if kept_in_l2:

@@ -294,6 +294,10 @@ class CpuDecoder:
             x.copy_(self._norm(buf, i, lp.mlp_post_norm))
 
     # ---- the step --------------------------------------------------------------------------------
+    def release(self) -> None:
+        self._buffers.clear()
+        self._views = weakref.WeakKeyDictionary()
+
     def decode(
         self,
         tokens: torch.Tensor,

@@ -36,6 +36,10 @@ class Decoder(Protocol):
         """
         ...
 
+    def release(self) -> None:
+        """Drops what the decoder keeps between steps (captured graphs, scratch caches); later steps rebuild it."""
+        ...
+
 
 def select_decoder(engine: Engine) -> Decoder | None:
     """The decoder for this engine, or None for the generic forward everywhere."""

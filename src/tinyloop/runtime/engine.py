@@ -60,6 +60,13 @@ class Engine:
         self.noise = state_noise_table(cfg, device)
         self.decoder: Decoder | None = select_decoder(self)
 
+    def close(self) -> None:
+        """Releases the decoder's graphs and scratch now and drops the decoder, whose reference back to this
+        engine would otherwise keep the weights alive until Python's cyclic collector runs."""
+        decoder, self.decoder = self.decoder, None
+        if decoder is not None:
+            decoder.release()
+
     def new_cache(self, batch: int, max_seq: int, loops: int) -> KVCache:
         return KVCache(self.cfg, batch, max_seq, loops, self.device, self.dtype)
 

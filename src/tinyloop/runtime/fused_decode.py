@@ -10,6 +10,7 @@ Same math and rounding points as `model/looped.py` (tests compare the two); conf
 
 from __future__ import annotations
 
+import gc
 import os
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -65,6 +66,20 @@ def _device_memory_bytes(device: torch.device) -> int:
 
 def has_cross_iter_weight(m: object) -> bool:
     return isinstance(m, StochasticInt4Weight)
+
+
+@contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Python's cyclic collector off inside the block. Run mid-capture, it may free a dead cycle holding another
+    model's CUDA graphs, and destroying a graph exec during a capture is forbidden: CUDA invalidates the capture
+    (seen on the H200 loading, closing and reloading models; torch no longer collects before a capture)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 class FusedDecoder:
@@ -179,6 +194,13 @@ class FusedDecoder:
             prelude_out=None if out.prelude_out is None else out.prelude_out.clone(),
         )
 
+    def release(self) -> None:
+        self._graphs.clear()
+        self._seen.clear()
+        self._pool = None
+        self._scratch = None
+        self.graph_bytes = 0
+
     def _scratch_cache(self, batch: int, tokens: int, loops: int) -> KVCache:
         scratch = self._scratch
         if scratch is None or scratch.batch != batch or scratch.max_seq < tokens or scratch.loops < loops:
@@ -215,7 +237,7 @@ class FusedDecoder:
         with l2_residency.window_during(stream, self.engine.l2_window) as no_window:
             if no_window is not None:
                 info(f"L2 residency: the decode graph's capture stream takes no window ({no_window}); not applied")
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            with _cyclic_gc_paused(), torch.cuda.graph(graph, pool=self._pool, stream=stream):
                 output = self._forward(
                     static_tokens, static_positions, cache, loops, last_only, static_resume, start_loop
                 )
