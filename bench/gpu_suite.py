@@ -1750,9 +1750,14 @@ def _reset_l2() -> None:
     l2._call("cuCtxSetLimit", ctypes.c_int(l2._CU_LIMIT_PERSISTING_L2_CACHE_SIZE), ctypes.c_size_t(0))
 
 
+# (label, TINYLOOP_DISABLE_L2_RESIDENCY, l2_residency.SHARE_OFF_DURING_PREFILL) of _l2_ab's models.
+L2_VARIANTS = (("off", "1", False), ("on", "0", False), ("on+share_off", "0", True))
+
+
 def _l2_ab(path: str, rounds: int = 2, partial: bool = False) -> dict[str, Any]:
-    """Fresh models of `path` with L2 residency off (TINYLOOP_DISABLE_L2_RESIDENCY) and on, alternated: 64 raw
-    decode steps at 8 loops after a 128-token prompt (ms), the window each got, and 32 greedy tokens."""
+    """Fresh models of `path` with L2 residency off (TINYLOOP_DISABLE_L2_RESIDENCY), on, and on with the
+    persisting share given up during each prefill, alternated: 64 raw decode steps at 8 loops after a 128-token
+    prompt (ms), the window each got, 32 greedy tokens, then prefills of 128 and 1,024 tokens after decode."""
     from tinyloop.kernels import l2_residency as l2
     from tinyloop.runtime.fused_decode import FusedDecoder
 
@@ -1760,7 +1765,8 @@ def _l2_ab(path: str, rounds: int = 2, partial: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"ms": {}, "window": {}, "tokens_equal": None, "capture_stream_window_after": None}
     tokens: dict[str, list[int]] = {}
     for _ in range(rounds):
-        for label, flag in (("off", "1"), ("on", "0")):
+        for label, flag, release in L2_VARIANTS:
+            l2.SHARE_OFF_DURING_PREFILL = release
             env = {"TINYLOOP_DISABLE_L2_RESIDENCY": flag}
             _reset_l2()
             m = with_env(env, lambda: tinyloop.Model(path, max_seq_len=1024, device="cuda"))
@@ -1786,15 +1792,24 @@ def _l2_ab(path: str, rounds: int = 2, partial: bool = False) -> dict[str, Any]:
                 out["persisting_limit"] = l2.persisting_limit()
             print(path, label, "generate", flush=True)  # names the run if a capture fails
             tokens[label] = [int(t) for t in m.generate(prompt[0].numpy(), 32, loops=8, temperature=0.0)]
-            for n in (128, 1024):  # eager prefill after decode graphs ran (persisting lines in L2)
+            for n in (128, 1024):  # prefill after decode graphs ran (persisting lines in L2)
                 ids = np.random.default_rng(n).integers(0, vocab, n).astype(np.int32)
                 m.score_last(ids, loops=8)
-                ms = 1e3 * statistics.median(timed(lambda ids=ids, m=m: m.score_last(ids, loops=8), 10))
+
+                seconds, step_seconds = [], []
+                for _ in range(10):  # a decode step after each prefill, as in use (it takes the share back)
+                    step_seconds += timed(lambda c=cache, e=eng, t=tok: e.step(t, c, 8, last_only=True), 1)
+                    cache.truncate(128)
+                    seconds += timed(lambda ids=ids, m=m: m.score_last(ids, loops=8), 1)
+                ms = 1e3 * statistics.median(seconds)
+                step_ms = 1e3 * statistics.median(step_seconds)
+                out.setdefault("decode_step_after_prefill_ms", {}).setdefault(f"{label} {n}", []).append(step_ms)
                 out.setdefault("prefill_ms", {}).setdefault(f"{label} {n}", []).append(ms)
             m.close()
             torch.cuda.empty_cache()
-    out["tokens_equal"] = tokens["on"] == tokens["off"]
+    out["tokens_equal"] = tokens["on"] == tokens["off"] == tokens["on+share_off"]
     l2.PARTIAL_WINDOW = False
+    l2.SHARE_OFF_DURING_PREFILL = False
     _reset_l2()
     print(path, "L2", out, flush=True)
     return out
@@ -1832,6 +1847,47 @@ def l2_section() -> dict[str, Any]:
     res["seed_1body"] = _l2_ab(one_body, rounds=3)
     res["seed407m_partial"] = _l2_ab(SEED_PATH, partial=True)
     return res
+
+
+def prefill_blas_section() -> dict[str, Any]:
+    """seed-407m prefill (128 and 1,024 tokens, loops 8) with the GEMMs through cuBLAS (torch's default) against
+    cuBLASLt as torch's preferred BLAS library (its own heuristics for short, wide products), fresh models
+    alternated twice; then where a 128-token prefill's kernel time goes with the default."""
+    before = torch.backends.cuda.preferred_blas_library()
+
+    def switch(on: bool) -> None:
+        torch.backends.cuda.preferred_blas_library("cublaslt" if on else before)
+
+    try:
+        out = _prefill_on_off(switch, "cublaslt", (128, 1024))
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
+    out["default_library"] = str(before)
+    out["profile_128"] = _profile_prefill(128)
+    return out
+
+
+def tiny_prefill_section() -> dict[str, Any]:
+    """Where the built-in model's prefill time goes (loops 8, 128 and 1,024 tokens; torch profiler over graph
+    replays), with its score_last wall time: its layers are 13x smaller than seed-407m's, yet session 13 measured
+    its prefill of 1,024 tokens slower (9.5 against 7.8 ms)."""
+    m = tinyloop.Model("tiny", max_seq_len=1024, device="cuda")
+    rng = np.random.default_rng(5)
+    out: dict[str, Any] = {}
+    for n in (128, 1024):
+        ids = rng.integers(0, 256, n).astype(np.int32)
+        for _ in range(2):
+            m.score_last(ids, loops=8)
+        out[f"ms_{n}"] = 1e3 * statistics.median(timed(lambda ids=ids: m.score_last(ids, loops=8), 10))
+        out[f"profile_{n}"] = _profile_calls(lambda ids=ids: m.score_last(ids, loops=8), 5)
+        v = out[f"profile_{n}"]
+        print("tiny prefill", n, round(out[f"ms_{n}"], 3), "ms; wall / kernel us", round(v["wall_us_per_call"], 1),
+              round(v["kernel_us_per_call"], 1), flush=True)  # fmt: skip
+        for name, row in list(v["kernels"].items())[:14]:
+            print("   ", name, {a: round(b, 2) for a, b in row.items()}, flush=True)
+    m.close()
+    torch.cuda.empty_cache()
+    return out
 
 
 def headline_section() -> dict[str, Any]:
@@ -1872,6 +1928,8 @@ SECTIONS = {
     "tiny_gemv": tiny_gemv_section,
     "l2": l2_section,
     "headline": headline_section,
+    "prefill_blas": prefill_blas_section,
+    "tiny_prefill": tiny_prefill_section,
 }
 
 

@@ -191,3 +191,62 @@ def test_engine_close_frees_it_without_the_cyclic_collector(close: bool) -> None
     finally:
         gc.enable()
         gc.collect()
+
+
+def test_graphs_of_cublas_sized_steps_take_no_l2_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decode-sized graphs are captured with the engine's L2 window; graphs of steps whose GEMMs go to cuBLAS
+    (a prefill, reading 16-bit copies of the body) without it, unless cuBLAS is off and the INT4 kernels read
+    the body at every row count."""
+    from tinyloop.kernels.l2_residency import L2Window
+
+    _, _, fused, _ = build("interleaved-qkbias-add")
+    decoder = fused.decoder
+    assert isinstance(decoder, FusedDecoder)
+    window = L2Window(4096, 8192, 1.0)
+    fused.l2_window = window
+    largest_int4_step = max(cuda_ops.BLOCKED_GEMM_MAX_ROWS, cuda_ops.INT4_GEMM_MAX_ROWS)
+    assert decoder._graph_window(1) is window
+    assert decoder._graph_window(largest_int4_step) is window
+    assert decoder._graph_window(largest_int4_step + 1) is None
+    monkeypatch.setattr(cuda_ops, "USE_CUBLAS_16BIT", False)
+    assert decoder._graph_window(1024) is window
+
+
+@pytest.mark.parametrize("mode", ["given up", "switched off", "driver error", "no window"])
+def test_persisting_share_given_up_during_prefills(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With SHARE_OFF_DURING_PREFILL, a prefill-sized step gives the persisting L2 share up, once until a
+    windowed graph takes it back; a failing driver call is said and the step still runs; an engine without a
+    window leaves the context's share alone."""
+    from tinyloop.kernels import l2_residency
+    from tinyloop.kernels.l2_residency import L2Window
+
+    cfg, _, fused, generic = build("interleaved-qkbias-add")
+    decoder = fused.decoder
+    assert isinstance(decoder, FusedDecoder)
+    if mode != "no window":
+        fused.l2_window = L2Window(4096, 8192, 0.5)
+    calls: list[str] = []
+
+    def drop() -> None:
+        calls.append("drop")
+        if mode == "driver error":
+            raise l2_residency.DriverError("cuCtxSetLimit returned CUresult 1")
+
+    said: list[str] = []
+    monkeypatch.setattr(l2_residency, "drop_persisting_share", drop)
+    monkeypatch.setattr(l2_residency, "set_persisting_limit", lambda n: calls.append(f"set {n}"))
+    monkeypatch.setattr(l2_residency, "SHARE_OFF_DURING_PREFILL", mode != "switched off")
+    monkeypatch.setattr("tinyloop.runtime.fused_decode.info", said.append)
+    tokens = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(4))
+    for _ in range(2):
+        got = fused.step(tokens, fused.new_cache(1, 24, 2), 2).logits
+    want = generic.step(tokens, generic.new_cache(1, 24, 2), 2).logits
+    assert max_rel_error(got, want) <= 1e-4
+    dropped = mode in ("given up", "driver error")
+    assert calls == (["drop"] if dropped else [])  # once for both prefills
+    assert decoder._share_dropped == dropped
+    error = "L2 residency: the persisting share is kept during a prefill (cuCtxSetLimit returned CUresult 1)"
+    assert [ln for ln in said if "persisting share" in ln] == ([error] if mode == "driver error" else [])
+    if dropped:  # what a windowed graph's replay does first (graphs need CUDA)
+        decoder._restore_share()
+        assert calls == ["drop", "set 4096"] and not decoder._share_dropped

@@ -21,6 +21,12 @@ ALIGN = 256
 # A body larger than the persisting share of L2 gets a window over (at most) the whole body with a hit ratio of
 # share / window, so that part of it persists, where this is set.
 PARTIAL_WINDOW = False
+# Give the persisting share (and its lines) up before each prefill-sized step and take it back before the next
+# windowed decode graph (runtime/fused_decode.py), so that a prefill's GEMMs get all of L2. Off: not measured yet
+# (bench/gpu_suite.py --only l2 times it as "on+share_off"). Releasing only the persisting lines before each
+# prefill did not help (H200, session 14: one-body seed-407m prefill 128 in 1.63 ms against 1.60 with the lines
+# kept and 1.49 with L2 residency off), which points at the share itself.
+SHARE_OFF_DURING_PREFILL = False
 
 # CUDA driver API constants (cuda.h).
 _CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 0x06
@@ -174,6 +180,13 @@ def release_persisting_lines() -> None:
     """Turns every persisting L2 line of the current context back to normal (a closed model's arena is gone;
     other models' graphs keep their windows and re-acquire their lines as they read them)."""
     _call("cuCtxResetPersistingL2Cache")
+
+
+def drop_persisting_share() -> None:
+    """No persisting L2 share for the current context, and its persisting lines back to normal (for every model
+    of the context: their decode graphs' windows then read L2 as normal lines until a share is set again)."""
+    _call("cuCtxResetPersistingL2Cache")
+    _call("cuCtxSetLimit", ctypes.c_int(_CU_LIMIT_PERSISTING_L2_CACHE_SIZE), ctypes.c_size_t(0))
 
 
 def set_stream_window(stream: torch.cuda.Stream, window: L2Window) -> None:

@@ -56,6 +56,7 @@ class _Graph:
     output: ForwardOutput
     resume: tuple[torch.Tensor, torch.Tensor] | None = None
     nbytes: int = 0  # what the capture left allocated (counted in graph_bytes until evicted)
+    windowed: bool = False  # captured with the engine's L2 window: replays make its lines persisting
 
 
 def _device_memory_bytes(device: torch.device) -> int:
@@ -95,6 +96,8 @@ class FusedDecoder:
         self._pool: Any = None
         self._stream: torch.cuda.Stream | None = None
         self._scratch: KVCache | None = None
+        # Whether the persisting L2 share is given up for prefills (l2_residency.SHARE_OFF_DURING_PREFILL).
+        self._share_dropped = False
         # Bytes the captured graphs keep allocated (their activations live in a private pool).
         self.graph_bytes = 0
         # Sandwich placements: x + norm(sublayer) (rms_norm mode 1) or norm(sublayer + x) (mode 2).
@@ -164,6 +167,8 @@ class FusedDecoder:
             return None
         positions = (begin[:, None] + torch.arange(T)[None, :]).reshape(-1)
         dev = self.engine.device
+        if ops.int4_rows_on_cublas(B * T) and l2_residency.SHARE_OFF_DURING_PREFILL:
+            self._drop_share()
         if resume is not None:
             resume = (resume[0].to(dev, self.engine.dtype), resume[1].to(dev, self.engine.dtype))
         if not self.graphs_enabled:
@@ -185,6 +190,8 @@ class FusedDecoder:
         if resume is not None and entry.resume is not None:
             entry.resume[0].copy_(resume[0])
             entry.resume[1].copy_(resume[1])
+        if entry.windowed and self._share_dropped:
+            self._restore_share()
         entry.graph.replay()
         out = entry.output
         return ForwardOutput(
@@ -234,8 +241,10 @@ class FusedDecoder:
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.memory_allocated(dev)
         stream = self._capture_stream()
-        with l2_residency.window_during(stream, self.engine.l2_window) as no_window:
+        window = self._graph_window(tokens.numel())
+        with l2_residency.window_during(stream, window) as no_window:
             if no_window is not None:
+                window = None
                 info(f"L2 residency: the decode graph's capture stream takes no window ({no_window}); not applied")
             with _cyclic_gc_paused(), torch.cuda.graph(graph, pool=self._pool, stream=stream):
                 output = self._forward(
@@ -244,7 +253,35 @@ class FusedDecoder:
         nbytes = torch.cuda.memory_allocated(dev) - before
         self.graph_bytes += nbytes
         detail(f"captured a CUDA graph: batch {tokens.shape[0]}, tokens {tokens.shape[1]}, loops {loops}")
-        return _Graph(graph, static_tokens, static_positions, output, static_resume, nbytes)
+        return _Graph(graph, static_tokens, static_positions, output, static_resume, nbytes, window is not None)
+
+    def _drop_share(self) -> None:
+        """Before a step whose GEMMs want all of L2: no persisting share and no persisting lines."""
+        if self.engine.l2_window is None or self._share_dropped:
+            return
+        self._share_dropped = True
+        try:
+            l2_residency.drop_persisting_share()
+        except l2_residency.DriverError as exc:
+            info(f"L2 residency: the persisting share is kept during a prefill ({exc})")
+
+    def _restore_share(self) -> None:
+        """Before a windowed graph's replay after a prefill: the persisting share its window was granted."""
+        window = self.engine.l2_window
+        assert window is not None
+        self._share_dropped = False
+        try:
+            l2_residency.set_persisting_limit(int(window.nbytes * window.hit_ratio))
+        except l2_residency.DriverError as exc:
+            info(f"L2 residency: the persisting share is not restored after a prefill ({exc})")
+
+    def _graph_window(self, rows: int) -> l2_residency.L2Window | None:
+        """The L2 window a graph of `rows` rows is captured with: the engine's for steps whose matmuls read the
+        INT4 body themselves (decode-sized), none for those that go to cuBLAS (a prefill reads the INT4 body once,
+        to dequantize it, and its GEMMs read the 16-bit copies, which the window does not cover). On the H200
+        this alone did not remove the prefill cost of L2 residency (session 14: still +3-7 % on a body that
+        fits): the persisting share itself takes L2 from the GEMMs (see l2_residency.SHARE_OFF_DURING_PREFILL)."""
+        return None if ops.int4_rows_on_cublas(rows) else self.engine.l2_window
 
     def _capture_stream(self) -> torch.cuda.Stream:
         """The stream graphs are captured from, one per decoder; it carries the engine's L2 window (if any)
