@@ -1334,18 +1334,22 @@ def _prefill_on_off(switch: Callable[[bool], None], label: str, rows: tuple[int,
     return {"prefill_ms": e2e, "prefill_logits_rel_on_vs_off": distance}
 
 
-def _profile_prefill(tokens: int) -> dict[str, Any]:
-    """`_profile_calls` of a seed-407m score_last of `tokens` tokens at loops 8 (the top kernels printed)."""
-    m = tinyloop.Model(SEED_PATH, max_seq_len=1024, device="cuda")
-    ids = np.random.default_rng(3).integers(0, 32000, tokens).astype(np.int32)
+def _profile_prefill(tokens: int, path: str = SEED_PATH, seed: int = 3, top: int = 12) -> dict[str, Any]:
+    """`_profile_calls` of a score_last of `tokens` tokens at loops 8 (the top kernels printed), with the call's
+    median wall time over 10 unprofiled calls ("score_last_ms")."""
+    m = tinyloop.Model(path, max_seq_len=1024, device="cuda")
+    ids = np.random.default_rng(seed).integers(0, m.config["vocab_size"], tokens).astype(np.int32)
     for _ in range(2):
         m.score_last(ids, loops=8)
+    ms = 1e3 * statistics.median(timed(lambda: m.score_last(ids, loops=8), 10))
     profile = _profile_calls(lambda: m.score_last(ids, loops=8), 5)
     m.close()
     torch.cuda.empty_cache()
-    for name, row in list(profile["kernels"].items())[:12]:
+    print(path, "prefill", tokens, round(ms, 3), "ms; wall / kernel us", round(profile["wall_us_per_call"], 1),
+          round(profile["kernel_us_per_call"], 1), flush=True)  # fmt: skip
+    for name, row in list(profile["kernels"].items())[:top]:
         print("   ", name, {a: round(b, 2) for a, b in row.items()}, flush=True)
-    return profile
+    return {**profile, "score_last_ms": ms}
 
 
 def _profile_calls(fn: Callable[[], Any], calls: int) -> dict[str, Any]:
@@ -1741,13 +1745,10 @@ def _graph_kernel_windows() -> dict[str, Any]:
 
 def _reset_l2() -> None:
     """No persisting share and no persisting lines left from an earlier model (for a fair off run)."""
-    import ctypes
-
     from tinyloop.kernels import l2_residency as l2
 
     torch.cuda.synchronize()
-    l2._call("cuCtxResetPersistingL2Cache")
-    l2._call("cuCtxSetLimit", ctypes.c_int(l2._CU_LIMIT_PERSISTING_L2_CACHE_SIZE), ctypes.c_size_t(0))
+    l2.drop_persisting_share()
 
 
 # (label, TINYLOOP_DISABLE_L2_RESIDENCY, l2_residency.SHARE_OFF_DURING_PREFILL) of _l2_ab's models.
@@ -1871,22 +1872,11 @@ def tiny_prefill_section() -> dict[str, Any]:
     """Where the built-in model's prefill time goes (loops 8, 128 and 1,024 tokens; torch profiler over graph
     replays), with its score_last wall time: its layers are 13x smaller than seed-407m's, yet session 13 measured
     its prefill of 1,024 tokens slower (9.5 against 7.8 ms)."""
-    m = tinyloop.Model("tiny", max_seq_len=1024, device="cuda")
-    rng = np.random.default_rng(5)
     out: dict[str, Any] = {}
     for n in (128, 1024):
-        ids = rng.integers(0, 256, n).astype(np.int32)
-        for _ in range(2):
-            m.score_last(ids, loops=8)
-        out[f"ms_{n}"] = 1e3 * statistics.median(timed(lambda ids=ids: m.score_last(ids, loops=8), 10))
-        out[f"profile_{n}"] = _profile_calls(lambda ids=ids: m.score_last(ids, loops=8), 5)
-        v = out[f"profile_{n}"]
-        print("tiny prefill", n, round(out[f"ms_{n}"], 3), "ms; wall / kernel us", round(v["wall_us_per_call"], 1),
-              round(v["kernel_us_per_call"], 1), flush=True)  # fmt: skip
-        for name, row in list(v["kernels"].items())[:14]:
-            print("   ", name, {a: round(b, 2) for a, b in row.items()}, flush=True)
-    m.close()
-    torch.cuda.empty_cache()
+        profile = _profile_prefill(n, "tiny", seed=5, top=14)
+        out[f"ms_{n}"] = profile.pop("score_last_ms")
+        out[f"profile_{n}"] = profile
     return out
 
 

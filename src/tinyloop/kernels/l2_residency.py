@@ -185,7 +185,7 @@ def release_persisting_lines() -> None:
 def drop_persisting_share() -> None:
     """No persisting L2 share for the current context, and its persisting lines back to normal (for every model
     of the context: their decode graphs' windows then read L2 as normal lines until a share is set again)."""
-    _call("cuCtxResetPersistingL2Cache")
+    release_persisting_lines()
     _call("cuCtxSetLimit", ctypes.c_int(_CU_LIMIT_PERSISTING_L2_CACHE_SIZE), ctypes.c_size_t(0))
 
 
@@ -195,13 +195,15 @@ def set_stream_window(stream: torch.cuda.Stream, window: L2Window) -> None:
     value.window = _AccessPolicyWindow(
         window.base, window.nbytes, window.hit_ratio, _CU_ACCESS_PROPERTY_PERSISTING, _CU_ACCESS_PROPERTY_STREAMING
     )
-    handle = ctypes.c_void_p(stream.cuda_stream)
-    _call("cuStreamSetAttribute", handle, ctypes.c_int(_CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW), ctypes.byref(value))
+    _set_window_attribute(stream, value)
 
 
 def clear_stream_window(stream: torch.cuda.Stream) -> None:
     """`stream` carries no access-policy window any more (a zero-byte one)."""
-    value = _StreamAttrValue()
+    _set_window_attribute(stream, _StreamAttrValue())
+
+
+def _set_window_attribute(stream: torch.cuda.Stream, value: _StreamAttrValue) -> None:
     handle = ctypes.c_void_p(stream.cuda_stream)
     _call("cuStreamSetAttribute", handle, ctypes.c_int(_CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW), ctypes.byref(value))
 

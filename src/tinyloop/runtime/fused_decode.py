@@ -167,7 +167,7 @@ class FusedDecoder:
             return None
         positions = (begin[:, None] + torch.arange(T)[None, :]).reshape(-1)
         dev = self.engine.device
-        if ops.int4_rows_on_cublas(B * T) and l2_residency.SHARE_OFF_DURING_PREFILL:
+        if l2_residency.SHARE_OFF_DURING_PREFILL and ops.int4_rows_on_cublas(B * T):
             self._drop_share()
         if resume is not None:
             resume = (resume[0].to(dev, self.engine.dtype), resume[1].to(dev, self.engine.dtype))
