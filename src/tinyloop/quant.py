@@ -116,6 +116,40 @@ class BlockedInt4Weight(Int4Weight):
         return BlockedInt4Weight(*moved, self.group_size)
 
 
+@dataclass(frozen=True)
+class CpuInt4Weight(Int4Weight):
+    """An Int4Weight also held for bfloat16 compute on the CPU (kernels/cpu_int4.py): `tinygemm` in the layout
+    of torch's CPU INT4 kernel, which computes with (q - 8) * scale + zero from bfloat16 `scales_zeros`
+    (zero = minimum + 8 * scale), and `dense`, the bfloat16 matrix that calls of many rows multiply with."""
+
+    tinygemm: torch.Tensor  # [out, in / 2] uint8
+    scales_zeros: torch.Tensor  # [in / G, out, 2] bfloat16
+    dense: torch.Tensor  # [out, in] bfloat16, = Int4Weight.dequantize(bfloat16)
+
+    @classmethod
+    def from_int4(cls, w: Int4Weight) -> CpuInt4Weight:
+        if type(w) is not Int4Weight or w.packed.device.type != "cpu":
+            raise ValueError(f"the CPU INT4 layout repacks a plain Int4Weight on the CPU, got {type(w).__name__}")
+        codes = w.codes(w.packed).to(torch.int32)  # [out, in]
+        tinygemm = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+        scale, minimum = w.scale.to(torch.float32), w.minimum.to(torch.float32)
+        scales_zeros = torch.stack((scale.t(), (minimum + 8 * scale).t()), dim=-1).to(torch.bfloat16).contiguous()
+        dense = w.dequantize(torch.bfloat16).contiguous()
+        return cls(w.packed, w.scale, w.minimum, w.group_size, tinygemm, scales_zeros, dense)
+
+    @property
+    def nbytes(self) -> int:
+        return super().nbytes + self.tinygemm.nbytes + self.scales_zeros.nbytes + self.dense.nbytes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.dense if dtype == torch.bfloat16 else super().dequantize(dtype)
+
+    def to(self, device: torch.device | str) -> Int4Weight:
+        if torch.device(device).type == "cpu":
+            return self
+        return Int4Weight(self.packed, self.scale, self.minimum, self.group_size).to(device)
+
+
 QuantizedWeight = Int8Weight | Int4Weight
 
 

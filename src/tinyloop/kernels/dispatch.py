@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tinyloop.quant import Int4Weight, Int8Weight
+from tinyloop.quant import CpuInt4Weight, Int4Weight, Int8Weight
 from tinyloop.stochastic.weight import StochasticInt4Weight
 
 Weight = torch.Tensor | Int8Weight | Int4Weight
@@ -25,6 +25,8 @@ _EMBEDDING_KERNELS: dict[tuple[str, str], EmbeddingKernel] = {}
 def weight_kind(w: Weight) -> str:
     if isinstance(w, StochasticInt4Weight):
         return "int4_stoch"  # the fallback's dequantize() draws the iteration's effective weight
+    if isinstance(w, CpuInt4Weight):
+        return "int4_cpu"  # also in torch's CPU INT4 layout, for bfloat16 compute (kernels/cpu_int4.py)
     if isinstance(w, Int4Weight):
         return "int4"
     if isinstance(w, Int8Weight):
@@ -33,7 +35,7 @@ def weight_kind(w: Weight) -> str:
 
 
 def register_linear_kernel(kind: str, device_type: str, kernel: LinearKernel) -> None:
-    """Route `linear` for weights of `kind` ('dense'/'int8'/'int4') on `device_type` to `kernel`."""
+    """Route `linear` for weights of `kind` (a `weight_kind` value) on `device_type` to `kernel`."""
     _LINEAR_KERNELS[(kind, device_type)] = kernel
 
 

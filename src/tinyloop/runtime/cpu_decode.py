@@ -6,6 +6,8 @@ on [B, d] rows with about 22 ops per layer: matmuls write into buffers or add th
 (addmm_), RMSNorm is one layer_norm over [x, -x] (mean 0, variance mean(x^2)), RoPE rotates q and k
 together, and attention reads per-slot cache views that are rebuilt only when the attended span grows
 by a bucket. The adapter of "concat" injection is split so that its prelude half runs once per token.
+Matrices the loader kept as INT4 (bfloat16 matmuls, kernels/cpu_int4.py) go through torch's CPU INT4
+kernel, which reads their 4-bit codes instead of a float32 copy; everything else stays float32.
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from tinyloop.cache.dense import DenseKVCache
 from tinyloop.cache.kv import KVCache
 from tinyloop.cache.slots import body_slot, coda_slot, prelude_slot
 from tinyloop.config import ArchConfig
+from tinyloop.kernels import cpu_int4
 from tinyloop.model.looped import ForwardOutput, gate_logit
 from tinyloop.model.weights import LayerWeights, ModelWeights, Norm
+from tinyloop.quant import CpuInt4Weight
 
 # Caches whose `update` is the plain positional write this decoder performs itself.
 _PLAIN_UPDATES = (KVCache.update, DenseKVCache.update)
@@ -31,22 +35,58 @@ SINGLE_THREAD_ROWS = 8
 SPAN_BUCKET = 16
 
 
+# A matrix as the decoder multiplies with it: dense [in, out] (see _mm_operand), or INT4 in the CPU kernel's layout.
+Matrix = torch.Tensor | CpuInt4Weight
+
+
 def supports(cfg: ArchConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype) -> bool:
-    """Float32 on CPU with dense matrices (the CPU loader dequantizes INT4/INT8 at load)."""
+    """Float32 on CPU with dense float32 matrices (the CPU loader dequantizes INT4/INT8 at load) or INT4 ones
+    in the CPU kernel's layout (what the loader makes of INT4 for bfloat16 matmuls)."""
     if device.type != "cpu" or dtype != torch.float32:
         return False
     layers = (*weights.prelude, *weights.body, *weights.coda)
     mats = [m for lw in layers for m in lw.matrices()]
     mats += [m for m in (weights.embed, weights.head, weights.adapter) if m is not None]
-    return all(isinstance(m, torch.Tensor) and m.dtype == torch.float32 for m in mats)
+    return all(isinstance(m, CpuInt4Weight) or (isinstance(m, torch.Tensor) and m.dtype == torch.float32) for m in mats)
 
 
-def _mm_operand(w: object) -> torch.Tensor:
+def _mm_operand(w: object) -> Matrix:
     """w ([out, in]) as the [in, out] right operand of torch.mm, in the memory layout one row streams fastest:
     input-major when out >= in, output-major when in > out (1.6x for 1024 -> 384 on this AVX2 CPU).
-    The CPU loader already stores matrices so, so this copies nothing for a loaded model."""
+    The CPU loader already stores matrices so, so this copies nothing for a loaded model. INT4 stays as is."""
+    if isinstance(w, CpuInt4Weight):
+        return w
     assert isinstance(w, torch.Tensor)
     return w.t().contiguous() if w.shape[0] >= w.shape[1] else w.contiguous().t()
+
+
+def _input_columns(w: object, start: int, stop: int) -> torch.Tensor | CpuInt4Weight:
+    """The [out, stop - start] matrix of inputs start..stop of w."""
+    if isinstance(w, CpuInt4Weight):
+        return cpu_int4.input_columns(w, start, stop)
+    assert isinstance(w, torch.Tensor)
+    return w[:, start:stop]
+
+
+def _product(x: torch.Tensor, w: Matrix) -> torch.Tensor:
+    """x [B, in] @ w, a new tensor in x's dtype."""
+    return cpu_int4.matmul(x, w).to(x.dtype) if isinstance(w, CpuInt4Weight) else torch.mm(x, w)
+
+
+def _product_into(out: torch.Tensor, x: torch.Tensor, w: Matrix, plus: torch.Tensor | None = None) -> torch.Tensor:
+    """out = x @ w (+ plus)."""
+    if isinstance(w, CpuInt4Weight):
+        y = cpu_int4.matmul(x, w)
+        return out.copy_(y) if plus is None else torch.add(y, plus, out=out)
+    return torch.mm(x, w, out=out) if plus is None else torch.addmm(plus, x, w, out=out)
+
+
+def _accumulate(acc: torch.Tensor, x: torch.Tensor, w: Matrix) -> None:
+    """acc += x @ w."""
+    if isinstance(w, CpuInt4Weight):
+        acc.add_(cpu_int4.matmul(x, w))
+    else:
+        acc.addmm_(x, w)
 
 
 @dataclass(frozen=True)
@@ -59,14 +99,14 @@ class _NormPack:
 class _LayerPack:
     attn_norm: _NormPack
     attn_post_norm: _NormPack | None
-    qkv: torch.Tensor  # [d, q + 2 kv]
+    qkv: Matrix  # [d, q + 2 kv]
     qkv_bias: torch.Tensor | None  # q and k biases, zeros for v
-    out: torch.Tensor  # [q, d]
+    out: Matrix  # [q, d]
     mlp_norm: _NormPack
     mlp_post_norm: _NormPack | None
-    gate_up: torch.Tensor | None  # [d, 2 ffn]
-    up: torch.Tensor | None  # [d, ffn]
-    down: torch.Tensor  # [ffn, d]
+    gate_up: Matrix | None  # [d, 2 ffn]
+    up: Matrix | None  # [d, ffn]
+    down: Matrix  # [ffn, d]
 
 
 class _Buffers:
@@ -131,16 +171,18 @@ class CpuDecoder:
         self.body = [self._pack(lw) for lw in weights.body]
         self.coda = [self._pack(lw) for lw in weights.coda]
         d = cfg.d_model
-        self.adapter_state: torch.Tensor | None = None
-        self.adapter_prelude: torch.Tensor | None = None
+        self.adapter_state: Matrix | None = None
+        self.adapter_prelude: Matrix | None = None
         if cfg.injection == "concat":
             # The adapter reads cat(state, prelude_out): split by input half.
-            assert isinstance(weights.adapter, torch.Tensor)
-            self.adapter_state = _mm_operand(weights.adapter[:, :d])
-            self.adapter_prelude = _mm_operand(weights.adapter[:, d:])
-        assert isinstance(weights.embed, torch.Tensor) and isinstance(weights.head, torch.Tensor)
-        self.embed = weights.embed
-        self.head = weights.head.t()  # [d, V] (a view: the tied table stays row-major for lookups)
+            self.adapter_state = _mm_operand(_input_columns(weights.adapter, 0, d))
+            self.adapter_prelude = _mm_operand(_input_columns(weights.adapter, d, 2 * d))
+        embed, head = weights.embed, weights.head
+        embed = embed.dense if isinstance(embed, CpuInt4Weight) else embed
+        assert isinstance(embed, torch.Tensor) and isinstance(head, torch.Tensor | CpuInt4Weight)
+        self.embed: torch.Tensor = embed
+        # [d, V] (a view: the tied table stays row-major for lookups)
+        self.head: Matrix = head if isinstance(head, CpuInt4Weight) else head.t()
         self.final_norm = self._norm_pack(weights.final_norm)
         half = cfg.head_dim // 2
         self._pairs = (2, half) if cfg.rope_pairing == "half" else (half, 2)
@@ -240,10 +282,7 @@ class CpuDecoder:
     def _attention(self, h: torch.Tensor, lp: _LayerPack, cache: KVCache, slot: int, st: _Step, buf: _Buffers) -> None:
         """Attention of normalized rows h [B, d] into buf.attn2 ([B, q], before the out projection)."""
         cfg = self.cfg
-        if lp.qkv_bias is None:
-            torch.mm(h, lp.qkv, out=buf.qkv)
-        else:
-            torch.addmm(lp.qkv_bias, h, lp.qkv, out=buf.qkv)
+        _product_into(buf.qkv, h, lp.qkv, lp.qkv_bias)
         swapped = buf.qk4.flip(self._swap_dim)
         torch.mul(buf.qk4, st.cos4, out=buf.rot4)
         buf.rot4.addcmul_(swapped, st.sin4)  # RoPE on q and k: x * cos + swap_halves(x) * (-sin, sin)
@@ -265,32 +304,32 @@ class CpuDecoder:
         x = buf.left[i]
         self._attention(self._norm(buf, i, lp.attn_norm), lp, cache, slot, st, buf)
         if cfg.norm_placement == "pre":
-            x.addmm_(buf.attn2, lp.out)
+            _accumulate(x, buf.attn2, lp.out)
         elif cfg.norm_placement == "sandwich_out":
             assert lp.attn_post_norm is not None
-            torch.mm(buf.attn2, lp.out, out=buf.tmp2[:, :d])
+            _product_into(buf.tmp2[:, :d], buf.attn2, lp.out)
             x.add_(self._norm_tmp(buf, lp.attn_post_norm))
         else:
             assert lp.attn_post_norm is not None
-            x.addmm_(buf.attn2, lp.out)
+            _accumulate(x, buf.attn2, lp.out)
             x.copy_(self._norm(buf, i, lp.attn_post_norm))
         h = self._norm(buf, i, lp.mlp_norm)
         if lp.gate_up is not None:
-            torch.mm(h, lp.gate_up, out=buf.gu)
+            _product_into(buf.gu, h, lp.gate_up)
             F.silu(buf.gate, inplace=True)
             act = torch.mul(buf.gate, buf.up, out=buf.act)
         else:
             assert lp.up is not None
-            act = F.gelu(torch.mm(h, lp.up))
+            act = F.gelu(_product(h, lp.up))
         if cfg.norm_placement == "pre":
-            x.addmm_(act, lp.down)
+            _accumulate(x, act, lp.down)
             return
         assert lp.mlp_post_norm is not None
         if cfg.norm_placement == "sandwich_out":
-            torch.mm(act, lp.down, out=buf.tmp2[:, :d])
+            _product_into(buf.tmp2[:, :d], act, lp.down)
             x.add_(self._norm_tmp(buf, lp.mlp_post_norm))
         else:
-            x.addmm_(act, lp.down)
+            _accumulate(x, act, lp.down)
             x.copy_(self._norm(buf, i, lp.mlp_post_norm))
 
     # ---- the step --------------------------------------------------------------------------------
@@ -344,7 +383,7 @@ class CpuDecoder:
         elif cfg.state_start == "random":
             assert self.noise is not None
             buf.left[cur].copy_(self.noise[st.pos])
-        injected = None if self.adapter_prelude is None else torch.mm(p, self.adapter_prelude)
+        injected = None if self.adapter_prelude is None else _product(p, self.adapter_prelude)
         gates: list[torch.Tensor] = []
         for t in range(loops):
             if cfg.injection != "none":
@@ -353,7 +392,7 @@ class CpuDecoder:
                     buf.left[nxt].copy_(injected)  # the zero state's half of the adapter adds exactly 0
                 elif injected is not None:
                     assert self.adapter_state is not None
-                    torch.addmm(injected, buf.left[cur], self.adapter_state, out=buf.left[nxt])
+                    _product_into(buf.left[nxt], buf.left[cur], self.adapter_state, injected)
                 else:
                     torch.add(buf.left[cur], p, out=buf.left[nxt])
                 cur = nxt
@@ -374,7 +413,7 @@ class CpuDecoder:
         if cfg.head_norm:
             assert self.final_norm is not None
             x = self._norm(buf, cur, self.final_norm)
-        logits = torch.mm(x, self.head)
+        logits = _product(x, self.head)
         if cfg.logit_scale != 1.0:
             logits.mul_(cfg.logit_scale)
         return ForwardOutput(logits=logits.view(B, 1, -1), gates=gates, loop_state=s.view(B, 1, -1),

@@ -11,7 +11,7 @@ from tinyloop.config import ArchConfig
 from tinyloop.env import RuntimeEnv
 from tinyloop.format.header import ModelHeader, read_header
 from tinyloop.format.reader import load_weights
-from tinyloop.kernels import cuda_backend
+from tinyloop.kernels import cpu_int4, cuda_backend
 from tinyloop.kernels.dispatch import Weight
 from tinyloop.kernels.l2_residency import L2Plan, keep_looped_resident
 from tinyloop.log import info
@@ -54,26 +54,38 @@ def prepare_weights(
     *,
     keep_int4: bool = False,
     dense_body: bool = False,
+    int4_matmuls: bool = False,
 ) -> dict[str, Weight]:
     """Weights on the device, ready for the kernels.
 
     CPU (default): quantized matrices are dequantized once here — a dense GEMM beats dequantizing every
-    call. keep_int4 (CUDA): INT4 matrices stay packed for the Triton kernels, except the looped body's
-    when dense_body (TINYLOOP_EXPERIMENTAL_FP16_BODY) asks for it in the 16-bit compute dtype.
+    call. int4_matmuls (CPU, bfloat16 matmuls): INT4 matrices keep their codes for torch's CPU INT4 kernel
+    instead (kernels/cpu_int4.py), with a bfloat16 copy for calls of many rows. keep_int4 (CUDA): INT4
+    matrices stay packed for the Triton kernels, except the looped body's when dense_body
+    (TINYLOOP_EXPERIMENTAL_FP16_BODY) asks for it in the 16-bit compute dtype.
     Vectors (norms, biases, gate) stay float32: they are tiny and precision matters there.
     """
     # One CPU thread: the work is memory-bound, and a thread pool on a busy machine costs seconds here.
     with cpu_threads_for(device, 1):
-        return _prepare(flat, device, dtype, keep_int4=keep_int4, dense_body=dense_body)
+        return _prepare(flat, device, dtype, keep_int4=keep_int4, dense_body=dense_body, int4_matmuls=int4_matmuls)
 
 
 def _prepare(
-    flat: Mapping[str, Weight], device: torch.device, dtype: torch.dtype, *, keep_int4: bool, dense_body: bool
+    flat: Mapping[str, Weight],
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    keep_int4: bool,
+    dense_body: bool,
+    int4_matmuls: bool,
 ) -> dict[str, Weight]:
     out: dict[str, Weight] = {}
     for name, w in flat.items():
         if isinstance(w, Int4Weight) and keep_int4 and not (dense_body and name.startswith("body.")):
             out[name] = _kernel_layout(w.to(device))
+            continue
+        if int4_matmuls and device.type == "cpu" and isinstance(w, Int4Weight) and cpu_int4.packable(w):
+            out[name] = cpu_int4.pack(w)
             continue
         if device.type == "cpu" and dtype == torch.float32 and type(w) is Int4Weight and name != "embed.weight":
             out[name] = dequantize_int4_cpu(w)
@@ -120,13 +132,21 @@ def load_engine(
     header = read_header(path)
     _, flat = load_weights(path, device="cpu", header=header)
     compute = dtype or default_dtype(device, header.config)
+    int4_matmuls = device.type == "cpu" and compute == torch.bfloat16
+    if int4_matmuls:
+        # bfloat16 elementwise ops and attention are slower than float32 ones on CPUs: only matmuls round.
+        compute = torch.float32
+        if cpu_int4.available():
+            info("CPU: INT4 matmuls in bfloat16 (torch's INT4 kernel); activations, attention, KV cache in float32")
+        else:
+            info("CPU: this torch has no CPU INT4 kernel, so bfloat16 changes nothing: matmuls stay float32")
     # Stochastic matrices stay quantized: each loop iteration draws its own effective weight.
     kept = stochastic_weights(header.config, flat, cross_iter, device, path) if cross_iter is not None else {}
     cuda_env = RuntimeEnv.read() if device.type == "cuda" else None
     kernels = cuda_env is not None and cuda_backend.install(cuda_env)
     dense = prepare_weights(
         {n: w for n, w in flat.items() if n not in kept}, device, compute,
-        keep_int4=kernels, dense_body=cuda_env is not None and cuda_env.fp16_body,
+        keep_int4=kernels, dense_body=cuda_env is not None and cuda_env.fp16_body, int4_matmuls=int4_matmuls,
     )  # fmt: skip
     l2_plan = None
     if cuda_env is not None:
