@@ -4,9 +4,10 @@
 
 Both decode greedily from the same prompt at the same loop count, in one process, runs interleaved so
 machine noise hits both alike. TinyLoop runs twice: float32 (the default) and `dtype=torch.bfloat16`
-(INT4 matmuls through torch's CPU INT4 kernel, everything else float32; --no-bf16 skips it). The prefill yields the first token; tokens/s counts the tokens - 1 cached
-decode steps after it (as `GenerationStats.decode_tokens_per_s`). Exit status 1 when the greedy tokens
-differ within the first --check tokens.
+(INT4 matmuls through torch's CPU INT4 kernel, everything else float32; --no-bf16 skips it). The prefill
+yields the first token; tokens/s counts the tokens - 1 cached decode steps after it (as
+`GenerationStats.decode_tokens_per_s`). Exit status 1 when the greedy tokens differ within the first
+--check tokens.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from plain_torch_looped import PlainLoopedLM, greedy_generate  # bench/ is on sy
 
 import tinyloop
 from tinyloop.builtin import resolve_model
+from tinyloop.runtime import cpu_decode
 
 DEFAULT_PROMPT = "def fibonacci(n):\n"
 BF16 = "tinyloop, bfloat16 matmuls"
@@ -35,6 +37,16 @@ def tinyloop_run(model: tinyloop.Model, prompt: list[int], tokens: int, loops: i
     out = model.generate(np.array(prompt, dtype=np.int32), tokens, loops, temperature=0.0)
     s = model.last_stats
     return [int(t) for t in out], s.prefill_s, s.decode_s
+
+
+def tinyloop_all_threads_run(model: tinyloop.Model, prompt: list[int], tokens: int, loops: int) -> Run:
+    """tinyloop_run with decode steps on torch's threads (the runtime runs steps of <= 8 rows on one)."""
+    previous = cpu_decode.SINGLE_THREAD_ROWS
+    cpu_decode.SINGLE_THREAD_ROWS = 0
+    try:
+        return tinyloop_run(model, prompt, tokens, loops)
+    finally:
+        cpu_decode.SINGLE_THREAD_ROWS = previous
 
 
 def plain_run(model: PlainLoopedLM, prompt: list[int], tokens: int, loops: int, threads: int | None = None) -> Run:
@@ -76,6 +88,10 @@ def main() -> int:
     ap.add_argument("--check", type=int, default=32, help="greedy tokens that must agree (default: 32)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads for all (default: torch's)")
     ap.add_argument("--no-bf16", action="store_true", help="skip TinyLoop's bfloat16-matmul run")
+    ap.add_argument(
+        "--bf16-all-threads", action="store_true",
+        help="also time the bfloat16 run with decode steps on all of torch's threads (the runtime uses one)",
+    )  # fmt: skip
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
     if args.loops < 1 or args.tokens < 2 or args.repeat < 1 or args.check < 1:
@@ -95,6 +111,8 @@ def main() -> int:
     if not args.no_bf16:
         bf16_model = tinyloop.Model(path, max_seq_len=len(prompt) + args.tokens, device="cpu", dtype=torch.bfloat16)
         impls[BF16] = lambda n: tinyloop_run(bf16_model, prompt, n, args.loops)
+        if args.bf16_all_threads and threads > 1:
+            impls[f"{BF16}, {threads} threads"] = lambda n: tinyloop_all_threads_run(bf16_model, prompt, n, args.loops)
     plain_name = f"plain PyTorch, {threads} threads"
     impls[plain_name] = lambda n: plain_run(plain, prompt, n, args.loops)
     if threads > 1:
@@ -150,13 +168,13 @@ def render(r: dict) -> str:
     lines = [
         f"{r['model']}, loops {r['loops']}, prompt {r['prompt_tokens']} tokens, {r['tokens']} new tokens, "
         f"CPU {r['processor']}, torch {r['torch_version']}, median of {r['repeat']} runs",
-        f"{'implementation':<28}{'prefill ms':>11}{'decode ms/token':>17}{'decode tokens/s':>17}"
+        f"{'implementation':<38}{'prefill ms':>11}{'decode ms/token':>17}{'decode tokens/s':>17}"
         f"{'faster than plain':>19}{'greedy = tinyloop':>19}",
     ]
     for name, m in r["implementations"].items():
         same = f"{m['matching_prefix']}/{r['tokens']} tokens"
         lines.append(
-            f"{name:<28}{m['prefill_ms']:>11.1f}{m['decode_ms_per_token']:>17.2f}{m['decode_tokens_per_s']:>17.1f}"
+            f"{name:<38}{m['prefill_ms']:>11.1f}{m['decode_ms_per_token']:>17.2f}{m['decode_tokens_per_s']:>17.1f}"
             f"{m['speedup_over_plain']:>18.2f}x{same:>19}"
         )
     verdict = "yes" if r["greedy_agree"] else "NO"

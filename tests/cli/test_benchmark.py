@@ -65,6 +65,19 @@ def test_json_holds_every_number(tiny_files, capsys, monkeypatch) -> None:
     assert "segments" not in report
 
 
+def test_dtype_bfloat16_on_cpu_reports_bfloat16_matmuls(tiny_files, capsys, monkeypatch) -> None:
+    monkeypatch.delenv("TINYLOOP_CUDA_PROFILE", raising=False)
+    code, out, err = bench(capsys, tiny_files["int4"], *SMALL, "--decode", "2", "--dtype", "bfloat16", "--json")
+    assert code == 0 and "INT4 matmuls in bfloat16" in err
+    model = json.loads(out)["model"]
+    assert (model["compute_dtype"], model["matmul_dtype"]) == ("float32", "bfloat16")
+    code, out, _ = bench(capsys, tiny_files["int4"], *SMALL, "--dtype", "bfloat16")
+    assert code == 0 and "float32, bfloat16 matmuls" in out.splitlines()[1]
+    code, out, _ = bench(capsys, tiny_files["int4"], *SMALL, "--json")
+    model = json.loads(out)["model"]
+    assert (model["compute_dtype"], model["matmul_dtype"]) == ("float32", "float32")
+
+
 def test_profile_mode_skips_warmup_and_times_each_segment(tiny_files, capsys, monkeypatch) -> None:
     monkeypatch.setenv("TINYLOOP_CUDA_PROFILE", "1")
     code, out, _ = bench(
@@ -152,6 +165,7 @@ def test_config_check_names_the_value() -> None:
         (["--seq-len", "1025"], "--seq-len 1025 exceeds the model's maximum position 1024"),
         (["--seq-len", "1000", "--decode", "25"], "--seq-len 1000 + --decode 25 exceeds"),
         (["--device", "tpu"], "--device"),
+        (["--dtype", "int8"], "--dtype"),
         (["--no-such-flag"], "unrecognized"),
     ],
 )

@@ -34,6 +34,15 @@ def test_generate_greedy_is_repeatable_and_log_level_zero_is_quiet(tiny_files) -
     assert "[tinyloop]" in b.stderr.decode()
 
 
+def test_generate_in_bfloat16_on_cpu_keeps_the_greedy_text() -> None:
+    args = ("tiny", "generate", "--prompt", "def fibonacci(n):\n", "--max-tokens", "24", "--temperature", "0")
+    exact = run(*args, "--device", "cpu")
+    fast = run(*args, "--device", "cpu", "--dtype", "bfloat16")
+    assert exact.returncode == 0 and fast.returncode == 0, fast.stderr
+    assert "INT4 matmuls in bfloat16" in fast.stderr.decode()
+    assert fast.stdout == exact.stdout
+
+
 @pytest.mark.parametrize(
     "flags, needle",
     [
@@ -46,6 +55,7 @@ def test_generate_greedy_is_repeatable_and_log_level_zero_is_quiet(tiny_files) -
         (["--l-warmup-tokens", "-1"], "--l-warmup-tokens"),
         (["--l-warmup-tokens", "2", "--l-warmup-L", "9"], "--l-warmup-L"),
         (["--l-warmup-L", "0"], "--l-warmup-L"),
+        (["--dtype", "half"], "--dtype"),
         (["--no-such-flag"], "unrecognized"),
     ],
 )

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    import torch
+
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 
 
 class CliError(Exception):
@@ -19,6 +24,21 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         sys.exit(2)
+
+
+def add_dtype_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dtype", choices=DTYPE_NAMES, default="auto",
+        help="compute dtype (default: auto = float32 on the CPU and for models up to d=1024 on CUDA, else "
+        "bfloat16); on the CPU, bfloat16 runs the INT4 matmuls through torch's INT4 kernel, the rest in float32",
+    )  # fmt: skip
+
+
+def torch_dtype(name: str) -> torch.dtype | None:
+    """The --dtype choice as a torch dtype (None: the runtime's default)."""
+    import torch
+
+    return None if name == "auto" else getattr(torch, name)
 
 
 def positive_int(text: str) -> int:

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from tinyloop.cli.args import CliError, Parser, non_negative_int, positive_int
+from tinyloop.cli.args import CliError, Parser, add_dtype_argument, non_negative_int, positive_int, torch_dtype
 from tinyloop.cli.inspect_cmd import parse_or_exit_code
 
 if TYPE_CHECKING:
+    import torch
+
     from tinyloop.runtime.benchmark import BenchmarkConfig, BenchmarkResult
 
 
@@ -29,6 +31,7 @@ def build_parser() -> Parser:
     p.add_argument("--decode-repeat", type=positive_int, default=3, help="timed decode runs (default: 3)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the synthetic tokens (default: 0)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    add_dtype_argument(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with every number")
     return p
 
@@ -69,7 +72,7 @@ def run_benchmark(path: str, argv: list[str]) -> int:
     except ValueError as exc:
         raise CliError(f"--device: {exc}") from None
     try:
-        result = benchmark_file(path, bench, args.device)
+        result = benchmark_file(path, bench, args.device, torch_dtype(args.dtype))
     except TinyLoopFormatError as exc:
         raise CliError(str(exc), code=1) from None
     except (OutOfMemoryError, torch.OutOfMemoryError) as exc:
@@ -80,7 +83,9 @@ def run_benchmark(path: str, argv: list[str]) -> int:
     return 0
 
 
-def benchmark_file(path: str, bench: BenchmarkConfig, device: str | None = None) -> BenchmarkResult:
+def benchmark_file(
+    path: str, bench: BenchmarkConfig, device: str | None = None, dtype: torch.dtype | None = None
+) -> BenchmarkResult:
     """Load a `.tinyloop` file (or built-in name) as `Model` does and measure its engine.
 
     Raises ValueError for out-of-range settings (before the weights load), TinyLoopFormatError for a bad file.
@@ -91,7 +96,7 @@ def benchmark_file(path: str, bench: BenchmarkConfig, device: str | None = None)
     from tinyloop.runtime.benchmark import run_benchmark as measure
 
     bench.check(read_header(resolve_model(path)).config)
-    with Model(path, max_seq_len=bench.seq_len + bench.decode, device=device) as model:
+    with Model(path, max_seq_len=bench.seq_len + bench.decode, device=device, dtype=dtype) as model:
         # The engine Model built, switches applied; timed directly so no API overhead is counted.
         return measure(model._engine, model.header, bench)
 
@@ -106,7 +111,7 @@ def render(result: BenchmarkResult) -> str:
         f"model: {m['name']} ({m['file']}), {quant}, {m['parameters'] / 1e6:.1f}M parameters, d={m['d_model']}, "
         f"layers {layers['prelude']}+{layers['body']}xL+{layers['coda']}, vocab {m['vocab_size']}",
         f"device: {result.device} ({result.device_name}), torch {result.torch_version}, {result.threads} threads, "
-        f"{m['compute_dtype']}",
+        f"{m['compute_dtype']}" + (f", {m['matmul_dtype']} matmuls" if m["matmul_dtype"] != m["compute_dtype"] else ""),
         f"loops {b.loops}, seq-len {b.seq_len}, batch {b.batch}, repeat {b.repeat}, "
         f"warm-up {'1 run' if result.warmup else 'skipped (TINYLOOP_CUDA_PROFILE=1)'}",
         f"forward: median {f.median_ms:.2f} ms, min {f.min_ms:.2f} ms, max {f.max_ms:.2f} ms, "

@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import sys
 
-from tinyloop.cli.args import CliError, Parser, non_negative_float, non_negative_int, positive_int, probability
+from tinyloop.cli.args import (
+    CliError,
+    Parser,
+    add_dtype_argument,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    probability,
+    torch_dtype,
+)
 from tinyloop.cli.constraint_args import add_constraint_arguments, build_grammar
 from tinyloop.cli.text_generate import add_text_arguments, is_text_model, run_text_generate
 
@@ -23,6 +32,7 @@ def build_parser() -> Parser:
     p.add_argument("--l-warmup-tokens", type=non_negative_int, default=0, help="first N decode steps run shallower")
     p.add_argument("--l-warmup-L", type=positive_int, default=2, help="loops during the warm-up steps (default: 2)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    add_dtype_argument(p)
     add_constraint_arguments(p)
     add_text_arguments(p)
     return p
@@ -46,7 +56,11 @@ def run_generate(path: str, argv: list[str]) -> int:
 
     try:
         model = Model(
-            path, max_seq_len=len(prompt) + args.max_tokens, device=args.device, cache_window=args.cache_window
+            path,
+            max_seq_len=len(prompt) + args.max_tokens,
+            device=args.device,
+            dtype=torch_dtype(args.dtype),
+            cache_window=args.cache_window,
         )
     except TinyLoopFormatError as exc:
         raise CliError(str(exc), code=1) from None

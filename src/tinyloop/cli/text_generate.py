@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from tinyloop.cli.args import CliError, Parser, non_negative_int, positive_int, probability
+from tinyloop.cli.args import CliError, Parser, non_negative_int, positive_int, probability, torch_dtype
 
 # runtime.adaptive_exit.CRITERIA, repeated so that parsing needs no torch.
 CRITERIA = ("kl", "entropy", "argmax", "latent", "gate")
@@ -58,7 +58,7 @@ def run_text_generate(path: str, args: argparse.Namespace, argv: list[str], gram
 
     try:
         max_pos = read_header(path).config.max_position
-        model = Model(path, max_seq_len=max_pos, device=args.device)
+        model = Model(path, max_seq_len=max_pos, device=args.device, dtype=torch_dtype(args.dtype))
     except TinyLoopFormatError as exc:
         raise CliError(str(exc), code=1) from None
     except ValueError as exc:

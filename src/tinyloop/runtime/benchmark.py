@@ -24,6 +24,7 @@ from tinyloop.format.header import ModelHeader
 from tinyloop.layout import parameter_count
 from tinyloop.model.looped import embed, exit_hidden, gate_logit, head, initial_state, loop_iteration, run_prelude
 from tinyloop.model.weights import weight_bytes
+from tinyloop.quant import CpuInt4Weight
 from tinyloop.runtime.engine import Engine, cpu_threads_for
 
 # Profiler op / kernel names by the kind of work they do (matched as lowercase substrings; attention first,
@@ -362,8 +363,16 @@ def model_summary(header: ModelHeader, engine: Engine) -> dict[str, Any]:
         "default_loops": cfg.default_loops,
         "max_position": cfg.max_position,
         "compute_dtype": str(engine.dtype).removeprefix("torch."),
+        "matmul_dtype": matmul_dtype(engine),
         "weight_bytes_on_device": weight_bytes(engine.weights),
     }
+
+
+def matmul_dtype(engine: Engine) -> str:
+    """bfloat16 where torch's CPU INT4 kernel multiplies the body (kernels/cpu_int4.py), else the compute dtype."""
+    if any(isinstance(m, CpuInt4Weight) for lw in engine.weights.body for m in lw.matrices()):
+        return "bfloat16"
+    return str(engine.dtype).removeprefix("torch.")
 
 
 def quantization_summary(header: ModelHeader) -> dict[str, Any]:

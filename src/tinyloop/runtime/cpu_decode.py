@@ -68,27 +68,6 @@ def _input_columns(w: object, start: int, stop: int) -> torch.Tensor | CpuInt4We
     return w[:, start:stop]
 
 
-def _product(x: torch.Tensor, w: Matrix) -> torch.Tensor:
-    """x [B, in] @ w, a new tensor in x's dtype."""
-    return cpu_int4.matmul(x, w).to(x.dtype) if isinstance(w, CpuInt4Weight) else torch.mm(x, w)
-
-
-def _product_into(out: torch.Tensor, x: torch.Tensor, w: Matrix, plus: torch.Tensor | None = None) -> torch.Tensor:
-    """out = x @ w (+ plus)."""
-    if isinstance(w, CpuInt4Weight):
-        y = cpu_int4.matmul(x, w)
-        return out.copy_(y) if plus is None else torch.add(y, plus, out=out)
-    return torch.mm(x, w, out=out) if plus is None else torch.addmm(plus, x, w, out=out)
-
-
-def _accumulate(acc: torch.Tensor, x: torch.Tensor, w: Matrix) -> None:
-    """acc += x @ w."""
-    if isinstance(w, CpuInt4Weight):
-        acc.add_(cpu_int4.matmul(x, w))
-    else:
-        acc.addmm_(x, w)
-
-
 @dataclass(frozen=True)
 class _NormPack:
     weight: torch.Tensor  # rmsnorm: [2d] = [w, w], applied to [x, -x]; layernorm: [d]
@@ -110,7 +89,8 @@ class _LayerPack:
 
 
 class _Buffers:
-    """Work tensors for one batch size. x2: two ping-pong residual buffers [B, 2d] holding [x, -x]."""
+    """Work tensors for one batch size, and the matmuls that use them. x2: two ping-pong residual buffers
+    [B, 2d] holding [x, -x]."""
 
     def __init__(self, cfg: ArchConfig, B: int) -> None:
         d, H, KVH, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -132,6 +112,40 @@ class _Buffers:
         self.gu = torch.empty(B, 2 * f)
         self.gate, self.up = self.gu[:, :f], self.gu[:, f:]
         self.act = torch.empty(B, f)
+        self._bf16: dict[torch.Size, torch.Tensor] = {}  # inputs of INT4 matmuls, by shape
+
+    def _int4_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x in a preallocated bfloat16 buffer of its shape (copy_ costs a third of .to())."""
+        staged = self._bf16.get(x.shape)
+        if staged is None:
+            staged = self._bf16[x.shape] = torch.empty(x.shape, dtype=torch.bfloat16)
+        return staged.copy_(x)
+
+    def product(self, x: torch.Tensor, w: Matrix) -> torch.Tensor:
+        """x [B, in] @ w, a new float32 tensor."""
+        if isinstance(w, CpuInt4Weight):
+            return cpu_int4.matmul(self._int4_input(x), w).float()
+        return torch.mm(x, w)
+
+    def product_into(self, out: torch.Tensor, x: torch.Tensor, w: Matrix, plus: torch.Tensor | None = None) -> None:
+        """out = x @ w (+ plus)."""
+        if isinstance(w, CpuInt4Weight):
+            y = cpu_int4.matmul(self._int4_input(x), w)
+            if plus is None:
+                out.copy_(y)
+            else:
+                torch.add(y, plus, out=out)
+        elif plus is None:
+            torch.mm(x, w, out=out)
+        else:
+            torch.addmm(plus, x, w, out=out)
+
+    def accumulate(self, acc: torch.Tensor, x: torch.Tensor, w: Matrix) -> None:
+        """acc += x @ w."""
+        if isinstance(w, CpuInt4Weight):
+            acc.add_(cpu_int4.matmul(self._int4_input(x), w))
+        else:
+            acc.addmm_(x, w)
 
 
 @dataclass
@@ -282,7 +296,7 @@ class CpuDecoder:
     def _attention(self, h: torch.Tensor, lp: _LayerPack, cache: KVCache, slot: int, st: _Step, buf: _Buffers) -> None:
         """Attention of normalized rows h [B, d] into buf.attn2 ([B, q], before the out projection)."""
         cfg = self.cfg
-        _product_into(buf.qkv, h, lp.qkv, lp.qkv_bias)
+        buf.product_into(buf.qkv, h, lp.qkv, lp.qkv_bias)
         swapped = buf.qk4.flip(self._swap_dim)
         torch.mul(buf.qk4, st.cos4, out=buf.rot4)
         buf.rot4.addcmul_(swapped, st.sin4)  # RoPE on q and k: x * cos + swap_halves(x) * (-sin, sin)
@@ -304,32 +318,32 @@ class CpuDecoder:
         x = buf.left[i]
         self._attention(self._norm(buf, i, lp.attn_norm), lp, cache, slot, st, buf)
         if cfg.norm_placement == "pre":
-            _accumulate(x, buf.attn2, lp.out)
+            buf.accumulate(x, buf.attn2, lp.out)
         elif cfg.norm_placement == "sandwich_out":
             assert lp.attn_post_norm is not None
-            _product_into(buf.tmp2[:, :d], buf.attn2, lp.out)
+            buf.product_into(buf.tmp2[:, :d], buf.attn2, lp.out)
             x.add_(self._norm_tmp(buf, lp.attn_post_norm))
         else:
             assert lp.attn_post_norm is not None
-            _accumulate(x, buf.attn2, lp.out)
+            buf.accumulate(x, buf.attn2, lp.out)
             x.copy_(self._norm(buf, i, lp.attn_post_norm))
         h = self._norm(buf, i, lp.mlp_norm)
         if lp.gate_up is not None:
-            _product_into(buf.gu, h, lp.gate_up)
+            buf.product_into(buf.gu, h, lp.gate_up)
             F.silu(buf.gate, inplace=True)
             act = torch.mul(buf.gate, buf.up, out=buf.act)
         else:
             assert lp.up is not None
-            act = F.gelu(_product(h, lp.up))
+            act = F.gelu(buf.product(h, lp.up))
         if cfg.norm_placement == "pre":
-            _accumulate(x, act, lp.down)
+            buf.accumulate(x, act, lp.down)
             return
         assert lp.mlp_post_norm is not None
         if cfg.norm_placement == "sandwich_out":
-            _product_into(buf.tmp2[:, :d], act, lp.down)
+            buf.product_into(buf.tmp2[:, :d], act, lp.down)
             x.add_(self._norm_tmp(buf, lp.mlp_post_norm))
         else:
-            _accumulate(x, act, lp.down)
+            buf.accumulate(x, act, lp.down)
             x.copy_(self._norm(buf, i, lp.mlp_post_norm))
 
     # ---- the step --------------------------------------------------------------------------------
@@ -383,7 +397,7 @@ class CpuDecoder:
         elif cfg.state_start == "random":
             assert self.noise is not None
             buf.left[cur].copy_(self.noise[st.pos])
-        injected = None if self.adapter_prelude is None else _product(p, self.adapter_prelude)
+        injected = None if self.adapter_prelude is None else buf.product(p, self.adapter_prelude)
         gates: list[torch.Tensor] = []
         for t in range(loops):
             if cfg.injection != "none":
@@ -392,7 +406,7 @@ class CpuDecoder:
                     buf.left[nxt].copy_(injected)  # the zero state's half of the adapter adds exactly 0
                 elif injected is not None:
                     assert self.adapter_state is not None
-                    _product_into(buf.left[nxt], buf.left[cur], self.adapter_state, injected)
+                    buf.product_into(buf.left[nxt], buf.left[cur], self.adapter_state, injected)
                 else:
                     torch.add(buf.left[cur], p, out=buf.left[nxt])
                 cur = nxt
@@ -413,7 +427,7 @@ class CpuDecoder:
         if cfg.head_norm:
             assert self.final_norm is not None
             x = self._norm(buf, cur, self.final_norm)
-        logits = _product(x, self.head)
+        logits = buf.product(x, self.head)
         if cfg.logit_scale != 1.0:
             logits.mul_(cfg.logit_scale)
         return ForwardOutput(logits=logits.view(B, 1, -1), gates=gates, loop_state=s.view(B, 1, -1),
