@@ -107,7 +107,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
     ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float16"])
-    ap.add_argument("--config", help="a GemLite autotune cache (default: its own for this GPU, else h100.json)")
+    ap.add_argument("--config", help="a GemLite autotune cache (default: its h100.json)")
     args = ap.parse_args()
     import gemlite
 
