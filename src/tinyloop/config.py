@@ -20,6 +20,10 @@ StateStart = Literal["prelude", "zeros", "random"]
 LoopNorm = Literal["none", "every_loop", "after_loop"]
 TokenizerKind = Literal["bytes", "embedded"]
 
+# The most loop iterations one run may ask for: far above any published looped model's depth (Huginn
+# tests up to 64, Ouro runs 4), low enough that a scoring call of a few thousand tokens still ends.
+MAX_LOOPS = 1024
+
 _CHOICES: dict[str, tuple[str, ...]] = {
     "ffn_kind": ("swiglu", "gelu"),
     "norm_kind": ("rmsnorm", "layernorm"),

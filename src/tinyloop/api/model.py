@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from tinyloop import log
+from tinyloop.api.arguments import checked_loops, compute_dtype
 from tinyloop.api.caching import CachingMixin
 from tinyloop.api.decoding import (
     depth_schedule,
@@ -42,6 +43,8 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
     """A loaded `.tinyloop` model (or a built-in one, by name).
 
     Token inputs are 1-D np.ndarray[int32] (lists accepted; other dtypes only when lossless).
+    dtype: torch.float32, torch.bfloat16 or torch.float16 (or its name); None picks float32 on the CPU and
+    for models up to d=1024 on CUDA, else bfloat16. loops: 1 to MAX_LOOPS (1024) per call.
     kv_mode ('16bit', 'int8', 'window', 'hidden', 'none') and cache_window (0 = full cache) choose the
     KV cache; left None, TINYLOOP_KV_INT8 / TINYLOOP_KV_H_MODE / TINYLOOP_DISABLE_KV_CACHE decide.
     cross_iter_round: draw the looped INT4 weights afresh at each iteration from the file's rounding
@@ -55,7 +58,7 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
         max_seq_len: int = 2048,
         device: str | torch.device | None = None,
         *,
-        dtype: torch.dtype | None = None,
+        dtype: torch.dtype | str | None = None,
         kv_mode: str | None = None,
         cache_window: int | None = None,
         cross_iter_round: bool | None = None,
@@ -68,6 +71,7 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
         self.env = RuntimeEnv.read()
         self._init_caching(self.env, kv_mode, cache_window)
         self.device = pick_device(device)
+        dtype = compute_dtype(dtype, self.device)
         round_on = self.env.cross_iter_round if cross_iter_round is None else bool(cross_iter_round)
         rounding = CrossIterRound(cross_iter_seed, require_channels=cross_iter_round is True)
         self.header, self._engine = load_engine(self.path, self.device, dtype, rounding if round_on else None)
@@ -150,11 +154,7 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
 
     # ---- argument checks ----------------------------------------------------------------------
     def _loops(self, loops: int | None) -> int:
-        if loops is None:
-            return self.header.config.default_loops
-        if isinstance(loops, bool) or not isinstance(loops, (int, np.integer)) or loops <= 0:
-            raise ValueError(f"loops must be a positive integer, got {loops!r}")
-        return int(loops)
+        return checked_loops(loops, self.header.config)
 
     def _tokens(self, tokens: Any, name: str = "tokens") -> torch.Tensor:
         arr = as_token_array(tokens, self.header.config.vocab_size, name)
@@ -301,9 +301,22 @@ def _sampling(max_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: A
     return SamplingParams(float(temperature), int(top_k), float(top_p), None if seed is None else int(seed))
 
 
-def load(path: str | os.PathLike[str], max_seq_len: int = 2048, device: str | torch.device | None = None) -> Model:
-    """Alias of the Model constructor."""
-    return Model(path, max_seq_len=max_seq_len, device=device)
+def load(
+    path: str | os.PathLike[str],
+    max_seq_len: int = 2048,
+    device: str | torch.device | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    kv_mode: str | None = None,
+    cache_window: int | None = None,
+    cross_iter_round: bool | None = None,
+    cross_iter_seed: int = 0,
+) -> Model:
+    """Alias of the Model constructor (same arguments)."""
+    return Model(
+        path, max_seq_len, device, dtype=dtype, kv_mode=kv_mode, cache_window=cache_window,
+        cross_iter_round=cross_iter_round, cross_iter_seed=cross_iter_seed,
+    )  # fmt: skip
 
 
 __all__ = ["Model", "load"]

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tinyloop.api.arguments import checked_loops
 from tinyloop.api.decoding import (
     depth_schedule,
     finish_stream,
@@ -98,6 +99,7 @@ class SpeculativeMixin:
         for name, value in (("draft_loops", draft_loops), ("verify_loops", verify_loops), ("draft_ahead", draft_ahead)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        checked_loops(verify_loops, self.header.config, "verify_loops")
         if draft_loops >= verify_loops:
             raise ValueError(f"draft_loops ({draft_loops}) must be smaller than verify_loops ({verify_loops})")
         if ids.numel() + max_tokens > self.max_seq_len:

@@ -16,6 +16,7 @@ from tinyloop.runtime.adaptive_exit import ExitCriterion, FamilyStats, stream_fa
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.family_exit import ExitRule, check_supported, exit_logits
 from tinyloop.runtime.generate import SamplingParams
+from tinyloop.text.bytes import ByteTokenizer
 from tinyloop.text.tokenizer import EmbeddedTokenizer
 
 
@@ -95,20 +96,29 @@ class TextMixin:
             self._text_tokenizer = EmbeddedTokenizer(meta, self.header.config.vocab_size)
         return self._text_tokenizer
 
+    def _text_codec(self) -> EmbeddedTokenizer | ByteTokenizer:
+        """The embedded tokenizer, or for a byte-level model without one its bytes as UTF-8."""
+        if self.header.config.tokenizer == "bytes" and not self.has_tokenizer:
+            self._check_open()
+            return ByteTokenizer()
+        return self.tokenizer
+
     def encode(self, text: str, add_bos: bool | None = None) -> np.ndarray:
-        """Token ids (np.int32) of `text` with the embedded tokenizer (bos as the model's tokenizer says)."""
-        return self.tokenizer.encode(text, add_bos)
+        """Token ids (np.int32) of `text` with the embedded tokenizer (bos as the model's tokenizer says);
+        for a byte-level model, its UTF-8 bytes."""
+        return self._text_codec().encode(text, add_bos)
 
     def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
-        """Text of token ids (np.int32 array or list)."""
-        tok = self.tokenizer
+        """Text of token ids (np.int32 array or list); a byte-level model's bytes that are not UTF-8
+        decode to U+FFFD."""
+        tok = self._text_codec()
         return tok.decode(
             as_token_array(ids, self.header.config.vocab_size, "ids", allow_empty=True), skip_special_tokens
         )
 
     def chat_prompt(self, messages: Sequence[Any], add_generation_prompt: bool = True) -> np.ndarray:
         """Token ids of a chat ([{"role": ..., "content": ...}]) under the model's chat template."""
-        return self.tokenizer.chat_prompt(messages, add_generation_prompt)
+        return self._text_codec().chat_prompt(messages, add_generation_prompt)
 
     # ---- exit rules in scoring ------------------------------------------------------------------
     def score_exit(
@@ -180,11 +190,12 @@ class TextMixin:
     ) -> Iterator[str]:
         """Text pieces of the continuation, decoded incrementally (multi-byte characters come out whole).
 
-        prompt: a str (encoded with the embedded tokenizer), or a list of chat messages
-        ([{"role": ..., "content": ...}], rendered with the model's chat template). Generation stops at the
-        family's end tokens, which are not part of the text. Other arguments as generate_tokens_stream.
+        prompt: a str (encoded with the embedded tokenizer; a byte-level model reads its UTF-8 bytes), or a
+        list of chat messages ([{"role": ..., "content": ...}], rendered with the model's chat template).
+        Generation stops at the family's end tokens, which are not part of the text. Other arguments as
+        generate_tokens_stream.
         """
-        tok = self.tokenizer
+        tok = self._text_codec()
         if isinstance(prompt, str):
             ids = tok.encode(prompt)
         else:

@@ -8,13 +8,14 @@ import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from tinyloop.cache.radix import RadixNode, RadixTree, encode
 
 
+@runtime_checkable
 class PoolItem(Protocol):
     @property
     def tokens(self) -> np.ndarray: ...
@@ -104,6 +105,10 @@ class PrefixPool:
 
     def register(self, item: PoolItem) -> str:
         """Add a prefix cache (already present: only marks it used); returns its content key."""
+        if not isinstance(item, PoolItem):
+            raise TypeError(
+                f"register takes a prefix cache (Model.build_prefix_cache's PrefixCache), got {type(item).__name__}"
+            )
         if item.closed:
             raise ValueError("cannot register a closed prefix cache")
         if self.model_key is not None and item.model_key != self.model_key:

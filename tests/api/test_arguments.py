@@ -1,0 +1,120 @@
+"""Bad arguments at the API's entry points: each a ValueError / TypeError naming the argument and what it
+accepts; the byte-level model's text is its UTF-8 bytes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import tinyloop
+from tinyloop.api import arguments
+from tinyloop.config import MAX_LOOPS
+
+PROMPT = np.array([72, 101, 108, 108, 111, 32, 119], dtype=np.int32)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_files):
+    with tinyloop.Model(tiny_files["f32"], max_seq_len=64) as m:
+        yield m
+
+
+@pytest.mark.parametrize("loops", [MAX_LOOPS + 1, 10**6, 2**70])
+def test_scoring_loops_are_bounded(model, loops: int) -> None:
+    calls = (
+        model.score, model.score_last, model.score_logit_lens, model.score_trajectory,
+        model.score_with_uncertainty, model.score_with_consistency,
+    )  # fmt: skip
+    for call in calls:
+        with pytest.raises(ValueError, match=rf"loops must be in \[1, {MAX_LOOPS}\].*got {loops}"):
+            call(PROMPT, loops=loops)
+
+
+@pytest.mark.parametrize("loops", [1.0, "4", True, [2]])
+def test_loops_of_the_wrong_type_are_type_errors(model, loops: object) -> None:
+    with pytest.raises(TypeError, match="loops must be an integer"):
+        model.score_last(PROMPT, loops=loops)  # type: ignore[arg-type]
+
+
+def test_speculative_verify_loops_are_bounded(model) -> None:
+    with pytest.raises(ValueError, match="verify_loops must be in"):
+        model.generate_speculative(PROMPT, 4, draft_loops=2, verify_loops=MAX_LOOPS + 1)
+
+
+def test_a_default_above_the_constant_raises_the_bound(model) -> None:
+    cfg = model.header.config
+    assert arguments.max_loops(cfg) == MAX_LOOPS
+    deep = type(cfg)(**{**cfg.to_dict(), "default_loops": MAX_LOOPS + 8})
+    assert arguments.max_loops(deep) == MAX_LOOPS + 8
+    assert arguments.checked_loops(None, deep) == MAX_LOOPS + 8
+
+
+@pytest.mark.parametrize("name, dtype", [("float32", torch.float32), ("bfloat16", torch.bfloat16)])
+def test_dtype_by_name_equals_dtype_by_value(tiny_files, name: str, dtype: torch.dtype) -> None:
+    with tinyloop.Model(tiny_files["f32"], dtype=name) as a, tinyloop.Model(tiny_files["f32"], dtype=dtype) as b:
+        assert np.array_equal(a.score_last(PROMPT, loops=2), b.score_last(PROMPT, loops=2))
+
+
+@pytest.mark.parametrize(
+    "dtype, error, message",
+    [
+        (torch.int8, ValueError, "dtype must be one of torch.float32, torch.bfloat16, torch.float16.*torch.int8"),
+        (torch.float64, ValueError, "dtype must be one of"),
+        ("half", ValueError, "dtype must be one of .*'half'"),
+        ("cuda", ValueError, "dtype must be one of"),
+        (16, TypeError, "dtype must be a torch.dtype .* got int"),
+    ],
+)
+def test_unsupported_dtypes_are_refused_before_loading(tiny_files, dtype, error, message) -> None:
+    with pytest.raises(error, match=message):
+        tinyloop.Model(tiny_files["f32"], dtype=dtype)
+
+
+def test_float16_on_the_cpu_warns_once(tiny_files, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(arguments, "_warned_cpu_float16", False)
+    monkeypatch.setenv("TINYLOOP_LOG_LEVEL", "1")
+    for _ in range(2):
+        tinyloop.Model(tiny_files["f32"], device="cpu", dtype=torch.float16).close()
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "float16 on the CPU" in line]
+    assert len(warnings) == 1 and "10x slower" in warnings[0]
+
+
+def test_load_takes_what_model_takes(tiny_files) -> None:
+    with tinyloop.load(tiny_files["f32"], 32, "cpu", kv_mode="int8", dtype="float32") as m:
+        assert m.kv_mode == "int8" and m.max_seq_len == 32
+    with tinyloop.load(tiny_files["f32"], cache_window=8) as m:
+        assert m.kv_mode == "window" and m.cache_window == 8
+    with pytest.raises(ValueError, match="kv_mode must be one of"):
+        tinyloop.load(tiny_files["f32"], kv_mode="int4")
+
+
+@pytest.mark.parametrize("item", [object(), "abc", PROMPT])
+def test_pool_register_refuses_what_is_not_a_prefix_cache(item: object) -> None:
+    with pytest.raises(TypeError, match="register takes a prefix cache .*got "):
+        tinyloop.PrefixPool().register(item)  # type: ignore[arg-type]
+
+
+def test_byte_model_text_is_its_utf8_bytes(model) -> None:
+    text = "héllo, €!"
+    ids = model.encode(text)
+    assert ids.dtype == np.int32 and ids.tolist() == list(text.encode("utf-8"))
+    assert model.decode(ids) == text
+    assert model.decode([104, 0xC3]) == "h\ufffd"  # a cut character decodes to U+FFFD
+    assert model.decode([]) == ""
+    with pytest.raises(TypeError, match="text must be a str"):
+        model.encode(b"abc")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="no bos token"):
+        model.encode("abc", add_bos=True)
+    with pytest.raises(ValueError, match="no chat template"):
+        model.generate_text([{"role": "user", "content": "hi"}], 4)
+
+
+def test_byte_model_generate_text_decodes_the_generated_bytes(model) -> None:
+    prompt = "Hello w"
+    text = model.generate_text(prompt, 12, loops=2, temperature=0.0)
+    ids = model.generate(model.encode(prompt), 12, loops=2, temperature=0.0)
+    assert len(set(ids.tolist())) > 1  # not a degenerate stream
+    assert text == bytes(ids.tolist()).decode("utf-8", errors="replace")
+    pieces = list(model.generate_text_stream(prompt, 12, loops=2, temperature=0.0))
+    assert "".join(pieces) == text
