@@ -162,7 +162,7 @@ class TextMixin:
 
         exit_threshold / exit_at_step / weighted_exit: Ouro's rules (every loop runs). exit_criterion
         ('kl', 'entropy', 'argmax', 'latent', 'gate') with exit_tol (None: Huginn's defaults) and min_loops:
-        each decode token stops iterating early (docs/MODELS.md). stop: end after a stop token of the
+        each decode token stops iterating early (docs/FAMILIES.md). stop: end after a stop token of the
         embedded tokenizer (the stop token is yielded).
         """
         self._check_open()

@@ -1,6 +1,6 @@
 """Ouro and Huginn checkpoints in their Hugging Face layout: config mapping and tensor recipes.
 
-Decisions (docs/MODELS.md): q/k rows are kept as stored and the config's rope_pairing says how pairs are
+Decisions (docs/FAMILIES.md): q/k rows are kept as stored and the config's rope_pairing says how pairs are
 rotated (Ouro: rotate_half = "half"; Huginn: complex/interleaved = "interleaved"), so no permutation is
 needed and the conversion is exact. Huginn's lm_head must equal wte (it is tied on load); if it differs
 the conversion is refused.

@@ -49,7 +49,7 @@ SPLITK_PROGRAMS = 264
 # From BLOCKED_GEMM_MAX_ROWS + 1 up to this many rows, blocked INT4 weights take the pipelined tensor-core
 # kernel (`_gemm_blocked_int4_kernel`, reading the 4-bit words) instead of dequantize + cuBLAS; 0: never.
 # Never: on the H200 it is 2-3x slower than cuBLAS on the dequantized weight at 32-128 rows, and seed-407m's
-# prefill of 128 tokens took 4.8-5.0 ms with it against 2.9-3.1 without (session 10, h200_session10_b.json).
+# prefill of 128 tokens took 4.8-5.0 ms with it against 2.9-3.1 without.
 # With cuBLAS switched off it still replaces the split-K kernel from BLOCKED_GEMM_MAX_ROWS + 1 rows up.
 INT4_GEMM_MAX_ROWS = 0
 
@@ -58,14 +58,14 @@ ROPE_BLOCK_ROWS = 16
 
 # Cached attention: keys per iteration and warps per (row, head) program. Few programs run (one per
 # head), so each takes big bites of the cache to keep enough loads in flight, and the one-token kernel loads
-# its first block before the PDL wait. Session 7 (H200, seed-407m, chain_tiles: 64 tokens at 8 loops after
+# its first block before the PDL wait. H200, seed-407m, chain_tiles (64 tokens at 8 loops after
 # a 128-token prompt, so 129-192 keys as in the benchmark's decode): 89.0 ms at 256 keys / 8 warps against
-# 94.1 at 128 / 4, 95.0 at 128 / 8, 98.7 at 64 / 4 and 99.6 at 256 / 16 (h200_session7_a.json). Session 6
+# 94.1 at 128 / 4, 95.0 at 128 / 8, 98.7 at 64 / 4 and 99.6 at 256 / 16. An earlier sweep
 # measured at 65-128 keys, where one 128-key block already covers everything, and preferred 128 / 4.
 ATTENTION_BLOCK = 256
 ATTENTION_WARPS = 8
-# Heads narrower than 128 keep session 6's 128 keys / 4 warps: the built-in tiny model (6 heads of 64)
-# decoded 2,364 tokens/s at 8 loops with it and 2,262-2,274 with 256 / 8 (three session-7 runs).
+# Heads narrower than 128 keep 128 keys / 4 warps: the built-in tiny model (6 heads of 64)
+# decoded 2,364 tokens/s at 8 loops with it and 2,262-2,274 with 256 / 8 (three runs).
 NARROW_HEAD_ATTENTION = (128, 4)
 
 
@@ -80,10 +80,10 @@ BLOCKED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 # One-row (decode) tiles of the blocked GEMV for d_model 2048 / ffn 5632 matrices (seed-407m, Ouro-1.4B),
 # (N, K) -> tile, chosen in the model's own kernel chain (bench/gpu_suite.py chain_tiles: coordinate descent,
 # each matrix's tile timed as seed-407m's decode of 64 tokens at 8 loops after a 128-token prompt; H200,
-# bench/results/h200_session7_a.json, confirmed by h200_session7_final.json): alone, one shape timed back to
+# confirmed by a second run): alone, one shape timed back to
 # back, most tiles tie within a few percent, but within a decode step, where each GEMV follows a different
-# kernel, the best tile of one matrix depends on its neighbours'. With the attention tile above, session 7's
-# set took those 64 tokens from 97.3 ms (session 6's tiles) to 84.5-89.0 ms; the attention output's tile
+# kernel, the best tile of one matrix depends on its neighbours'. With the attention tile above, this
+# set took those 64 tokens from 97.3 ms (the previous tiles) to 84.5-89.0 ms; the attention output's tile
 # ties with (4, 32, 8) and (2, 32, 4) within 0.4 %.
 BLOCKED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
     (6144, 2048): (4, 8, 2),  # qkv
@@ -92,10 +92,10 @@ BLOCKED_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
     (2048, 5632): (4, 32, 8),  # down
     (32000, 2048): (4, 8, 2),  # head
 }
-# Register cap for the decode GEMVs (Triton and Gluon; ptxas maxnreg), or None. Nsight Compute on the H200 (session 7,
+# Register cap for the decode GEMVs (Triton and Gluon; ptxas maxnreg), or None. Nsight Compute on the H200 (
 # bench/gemv_ncu.py): the (4, 8, 2) tile took 89 registers, so 10 programs fit an SM and seed-407m's QKV GEMV
 # (1,536 programs) ran in 1.16 waves with 70 % of issue slots used while active. Off: on the Gluon GEMV every cap
-# tried spilled and lost (session 8, h200_session8_maxnreg.json: 64 tokens 75 ms uncapped, 91 / 130 / 176 ms at
+# tried spilled and lost (64 tokens 75 ms uncapped, 91 / 130 / 176 ms at
 # 128 / 96 / 80 registers).
 GEMV_MAX_REGISTERS: int | None = None
 
@@ -115,8 +115,8 @@ GLUON_TILES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
 
 # One-row tiles of the Gluon GEMV for d_model 2048 / ffn 5632 matrices (seed-407m, Ouro-1.4B), chosen in the
 # model's own kernel chain (bench/gpu_suite.py gluon_chain: coordinate descent, seed-407m decode of 64 tokens at
-# 8 loops after a 128-token prompt; H200, bench/results/h200_session8_c.json): 82.1 ms with the tiles that won
-# alone (session 8 run a: qkv and gate / up (4, 1, 1, 1, 1)) -> 76.1 ms. Alone, back to back under PDL, one
+# 8 loops after a 128-token prompt; H200): 82.1 ms with the tiles that won
+# alone (qkv and gate / up (4, 1, 1, 1, 1)) -> 76.1 ms. Alone, back to back under PDL, one
 # kernel's prologue overlaps the previous one's tail, which flatters tiles with few, large programs.
 GLUON_CHAIN_TILES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {
     (6144, 2048, ACT_NONE): (4, 1, 1, 4, 1),  # qkv (76.46 ms; (4, 1, 1, 2, 1) 76.47)
@@ -131,7 +131,7 @@ def _gluon_tile(n: int, k: int, act: int) -> tuple[int, int, int, int, int]:
         return GLUON_TILES[(n, k, act)]
     if (n, k, act) in GLUON_CHAIN_TILES:
         return GLUON_CHAIN_TILES[(n, k, act)]
-    # Elsewhere the winners alone (H200, seed-407m shapes, bench/results/h200_session8_a.json, µs against the
+    # Elsewhere the winners alone (H200, seed-407m shapes, µs against the
     # Triton GEMV): qkv (4, 1, 1, 1, 1) 4.9 vs 8.6, out (4, 1, 1, 2, 2) 2.6 vs 3.0, gate / up (4, 1, 1, 1, 1)
     # 7.0 vs 8.9, down (4, 1, 1, 2, 2) 5.2 vs 6.9, head (8, 1, 1, 1, 1) 16.6 vs 24.4 (also best in the chain).
     if n >= 16384:
@@ -178,14 +178,14 @@ USE_STAGED_GEMV = False
 # Under PDL the staged kernel lets the next kernel launch "after_wait" (right after its own wait), "before_wait",
 # or "at_end" (after its stores: the next kernel's programs then never share an SM with its arithmetic). After
 # the wait, the next GEMV stages its weights while this one computes, and no further: before it, every kernel up
-# to the next attention launched at once and staged together (session 9, first run: 1,328 µs per step).
+# to the next attention launched at once and staged together (1,328 µs per step).
 STAGED_LAUNCH_DEPENDENTS = "after_wait"
 # The same choice for the streaming Gluon GEMV ("after_wait" or "at_end").
 GLUON_LAUNCH_DEPENDENTS = "after_wait"
 # The (N, K, act) shapes that take the staged GEMV where it is on; None: every shape its plan applies to.
-# Session 9 (H200, seed-407m, 64 raw decode steps at 8 loops, split attention on): QKV and gate / up staged
+# H200, seed-407m, 64 raw decode steps at 8 loops, split attention on: QKV and gate / up staged
 # 75.0-75.3 ms against 76.3-76.7 with none (fresh models alternated three times, identical tokens); all four
-# 75.2-75.4, QKV alone 79.7-79.9 (h200_session9_final.json staged_policy). Other shapes: not measured, so not
+# 75.2-75.4, QKV alone 79.7-79.9 (bench/gpu_suite.py staged_policy). Other shapes: not measured, so not
 # staged (the decode chain is where alone-timings mislead).
 STAGED_SHAPES: frozenset[tuple[int, int, int]] | None = frozenset({(6144, 2048, 0), (5632, 2048, 1)})
 # (rows per thread, warps, register cap or 0) of the staged GEMV: rows per thread x warps = TILE_ROWS. The
@@ -193,7 +193,7 @@ STAGED_SHAPES: frozenset[tuple[int, int, int]] | None = frozenset({(6144, 2048, 
 STAGED_LAYOUT = (2, 8, 0)
 # The staged (N, K, act) shapes whose 16-bit x takes the staged GEMV's tensor-core variant
 # (kernels/gluon_gemv_staged_mma.py) where it applies; None: every staged shape, empty: none. None: on the H200
-# it lost in the decode chain in every version tried (docs/BENCHMARKS.md, sessions 10-11): session 10's QKV 6.4
+# it lost in the decode chain in every version tried: the first version's QKV 6.4
 # against 4.6 µs alone, 64 raw decode steps 88.4-89.6 ms with QKV and gate / up on it against 74.9-75.3.
 STAGED_MMA_SHAPES: frozenset[tuple[int, int, int]] | None = frozenset()
 # Its programs per SM (its ~50 registers a thread leave room for more than the CUDA-core kernel's one program):
@@ -329,7 +329,7 @@ USE_CUBLAS_16BIT = True
 def _matvec_config(n: int, k: int, rows: int, group: int) -> tuple[int, int, int]:
     if (n, k, rows) in MATVEC_CONFIGS:
         return MATVEC_CONFIGS[(n, k, rows)]
-    # Tiles of the plain-layout INT4 GEMV that the blocked one replaced (H200, seed-407m shapes, session 3;
+    # Tiles of the plain-layout INT4 GEMV that the blocked one replaced (H200, seed-407m shapes;
     # docs/BENCHMARKS.md); this kernel now serves 16-bit weights and INT4 outside an engine.
     if rows == 1:
         return (4, max(group, 2048), 4) if n <= 2048 else (4, max(group, 1024), 4)
@@ -362,7 +362,7 @@ def _int4_gemm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int, in
     if (n, k, bucket) in INT4_GEMM_CONFIGS:
         return INT4_GEMM_CONFIGS[(n, k, bucket)]
     # The most frequent winner of bench/gpu_suite.py's int4_gemm sweep (H200, seed-407m shapes, 32-128 rows,
-    # h200_session10_b.json): 64 weight rows x 128 columns per step, 4 warps, 3 stages, K split in four.
+    # all four shapes): 64 weight rows x 128 columns per step, 4 warps, 3 stages, K split in four.
     return 64, min(128, max(16, bucket)), 128, 4, 3, 4
 
 
@@ -789,12 +789,12 @@ def cached_attention(
 # One-token attention split along the keys: (splits, a power of two; keys per block; warps), or None: one
 # program per (row, head). Few heads means few programs (16 for seed-407m), each walking its whole cache;
 # splits put more SMs on it and the last split to finish merges the partial softmaxes
-# (kernels/triton_attention.py). Session 9 (H200, seed-407m, 64 raw decode steps at 8 loops after a 128-token
-# prompt, h200_session9_c.json): 75.4 ms at (4, 64, 4) against 77.4 unsplit, 79.3 at (2, 128, 4), 78.3 at
+# (kernels/triton_attention.py). H200, seed-407m, 64 raw decode steps at 8 loops after a 128-token
+# prompt: 75.4 ms at (4, 64, 4) against 77.4 unsplit, 79.3 at (2, 128, 4), 78.3 at
 # (8, 32, 4), 77.7 at (4, 64, 8); greedy tokens identical.
 SPLIT_ATTENTION: tuple[int, int, int] | None = (4, 64, 4)
 # Heads narrower than this stay whole: the built-in tiny model (6 heads of 64) decoded 2,304 tokens/s at 8
-# loops with (4, 64, 4) against 2,551-2,601 unsplit (session 10, h200_session10_a.json, fresh models alternated).
+# loops with (4, 64, 4) against 2,551-2,601 unsplit (fresh models alternated).
 SPLIT_ATTENTION_MIN_HEAD_DIM = 128
 _SPLIT_SCRATCH: dict[tuple[torch.device, int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -1,10 +1,10 @@
 """The staged decode GEMV (kernels/gluon_gemv_staged.py) with its arithmetic on tensor cores, for 16-bit x.
 
 Why: the staged GEMV fetches its weights before the PDL wait, so what is left after the wait is arithmetic,
-and on CUDA cores that is ~4.5 instructions per weight (ncu, session 9). Here one `lop3` turns two nibbles
+and on CUDA cores that is ~4.5 instructions per weight (Nsight Compute). Here one `lop3` turns two nibbles
 into two 16-bit floats (magic + q, exact) that are already a register of an `mma.sync` A operand, and the
 products run on tensor cores. ptxas counts ~2.3 instructions per weight; on an H200 the decode chain is slower
-with it than with the CUDA-core kernel (docs/BENCHMARKS.md, sessions 10-11), so cuda_ops.STAGED_MMA_SHAPES is empty.
+with it than with the CUDA-core kernel in every version tried, so cuda_ops.STAGED_MMA_SHAPES is empty.
 
 A vector times a matrix uses one of the mma's 8 columns; the other 7 carry other K blocks instead. Warp w
 owns weight rows 2w and 2w + 1 of a 16-row tile; its mma rows are (row 2w + h, block 8g + r) for h < 2,
@@ -225,7 +225,7 @@ def _gemv_int4_staged_mma_kernel(
     )
     # One flat loop over steps of PAIR groups of a tile, each step's shared-memory operands loaded one step
     # ahead, so that their latency hides behind the previous step's arithmetic, and the PAIR groups' mma chains
-    # independent of each other. ncu (session 11), with the loads next to their uses and one group per step:
+    # independent of each other. Nsight Compute, with the loads next to their uses and one group per step:
     # 12 cycles per instruction at two warps per scheduler, every warp waiting on a load or on its own mma.
     PAIR: gl.constexpr = 2 if GROUPS % 2 == 0 else 1
     SPT: gl.constexpr = GROUPS // PAIR

@@ -279,7 +279,7 @@ class FusedDecoder:
         """The L2 window a graph of `rows` rows is captured with: the engine's for steps whose matmuls read the
         INT4 body themselves (decode-sized), none for those that go to cuBLAS (a prefill reads the INT4 body once,
         to dequantize it, and its GEMMs read the 16-bit copies, which the window does not cover). On the H200
-        this alone did not remove the prefill cost of L2 residency (session 14: still +3-7 % on a body that
+        this alone did not remove the prefill cost of L2 residency (still +3-7 % on a body that
         fits): the persisting share itself takes L2 from the GEMMs (see l2_residency.SHARE_OFF_DURING_PREFILL)."""
         return None if ops.int4_rows_on_cublas(rows) else self.engine.l2_window
 

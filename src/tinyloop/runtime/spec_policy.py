@@ -11,7 +11,7 @@ STEP_OVERHEAD_LAYERS = 2.0
 EXTRA_TOKEN_COST = 0.15
 # On CUDA a one-token step runs the INT4 GEMV while a verification pass of 5-16 tokens runs the split-K
 # tensor-core kernel (two launches per matrix, about a quarter of the GEMV's bandwidth). Measured on an H200
-# at 2 / 8 with every draft accepted (docs/BENCHMARKS.md, session 5): each further token cost 0.41 of a step
+# at 2 / 8 with every draft accepted: each further token cost 0.41 of a step
 # for seed-407m (d_model 2048, bound by weight bytes) and 0.98 for the built-in tiny (d_model 384, bound
 # by launches), so CUDA models below CUDA_LARGE_D_MODEL count a full step and decode plain.
 EXTRA_TOKEN_COST_BY_DEVICE = {"cpu": EXTRA_TOKEN_COST, "cuda": 0.45}
