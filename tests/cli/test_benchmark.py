@@ -13,6 +13,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from tinyloop.cli import args as cli_args
 from tinyloop.cli.main import main
 from tinyloop.runtime.benchmark import (
     BenchmarkConfig,
@@ -73,9 +74,12 @@ def test_dtype_bfloat16_on_cpu_reports_bfloat16_matmuls(tiny_files, capsys, monk
     assert (model["compute_dtype"], model["matmul_dtype"]) == ("float32", "bfloat16")
     code, out, _ = bench(capsys, tiny_files["int4"], *SMALL, "--dtype", "bfloat16")
     assert code == 0 and "float32, bfloat16 matmuls" in out.splitlines()[1]
-    code, out, _ = bench(capsys, tiny_files["int4"], *SMALL, "--json")
-    model = json.loads(out)["model"]
-    assert (model["compute_dtype"], model["matmul_dtype"]) == ("float32", "float32")
+    # --dtype auto: float32 on a CPU without native bfloat16, bfloat16 matmuls with it (cli/args.py).
+    for flags, matmul in ((frozenset({"avx2"}), "float32"), (frozenset({"avx512_bf16"}), "bfloat16")):
+        monkeypatch.setattr(cli_args, "cpu_flags", lambda flags=flags: flags)
+        code, out, _ = bench(capsys, tiny_files["int4"], *SMALL, "--json")
+        model = json.loads(out)["model"]
+        assert (model["compute_dtype"], model["matmul_dtype"]) == ("float32", matmul)
 
 
 def test_profile_mode_skips_warmup_and_times_each_segment(tiny_files, capsys, monkeypatch) -> None:

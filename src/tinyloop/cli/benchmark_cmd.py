@@ -72,7 +72,7 @@ def run_benchmark(path: str, argv: list[str]) -> int:
     except ValueError as exc:
         raise CliError(f"--device: {exc}") from None
     try:
-        result = benchmark_file(path, bench, args.device, torch_dtype(args.dtype))
+        result = benchmark_file(path, bench, args.device, torch_dtype(args.dtype, args.device))
     except TinyLoopFormatError as exc:
         raise CliError(str(exc), code=1) from None
     except (OutOfMemoryError, torch.OutOfMemoryError) as exc:

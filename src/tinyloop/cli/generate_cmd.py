@@ -59,7 +59,7 @@ def run_generate(path: str, argv: list[str]) -> int:
             path,
             max_seq_len=len(prompt) + args.max_tokens,
             device=args.device,
-            dtype=torch_dtype(args.dtype),
+            dtype=torch_dtype(args.dtype, args.device),
             cache_window=args.cache_window,
         )
     except TinyLoopFormatError as exc:

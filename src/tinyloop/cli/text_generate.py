@@ -58,7 +58,7 @@ def run_text_generate(path: str, args: argparse.Namespace, argv: list[str], gram
 
     try:
         max_pos = read_header(path).config.max_position
-        model = Model(path, max_seq_len=max_pos, device=args.device, dtype=torch_dtype(args.dtype))
+        model = Model(path, max_seq_len=max_pos, device=args.device, dtype=torch_dtype(args.dtype, args.device))
     except TinyLoopFormatError as exc:
         raise CliError(str(exc), code=1) from None
     except ValueError as exc:

@@ -1,0 +1,46 @@
+"""`--dtype auto`: bfloat16 matmuls on a CPU only where it has native bfloat16 instructions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tinyloop.cli import args as cli_args
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (frozenset({"avx2", "avx512f", "avx512_bf16"}), True),
+        (frozenset({"avx2", "amx_bf16", "amx_tile"}), True),
+        (frozenset({"avx2", "avx512f", "avx512bw"}), False),
+        (frozenset({"avx2", "fma"}), False),
+        (frozenset(), False),
+    ],
+)
+def test_auto_takes_bfloat16_only_with_native_bfloat16(flags, expected) -> None:
+    assert cli_args.auto_cpu_bfloat16(flags) is expected
+
+
+@pytest.mark.parametrize(("flags", "expected"), [({"avx512_bf16"}, torch.bfloat16), ({"avx2"}, None)])
+def test_auto_on_the_cpu_follows_the_capability_reader(monkeypatch, flags, expected) -> None:
+    monkeypatch.setattr(cli_args, "cpu_flags", lambda: frozenset(flags))
+    assert cli_args.torch_dtype("auto", "cpu") is expected
+
+
+def test_auto_on_cuda_and_explicit_choices_ignore_the_cpu(monkeypatch) -> None:
+    monkeypatch.setattr(cli_args, "cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert cli_args.torch_dtype("auto", "cuda") is None
+    assert cli_args.torch_dtype("auto", "cuda:1") is None
+    assert cli_args.torch_dtype("float32", "cpu") is torch.float32
+    assert cli_args.torch_dtype("float16", "cpu") is torch.float16
+
+
+def test_cpu_flags_reads_this_machine() -> None:
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text(encoding="utf-8").splitlines() if cpuinfo.exists() else []
+    first = next((line for line in lines if line.startswith("flags")), None)
+    expected = frozenset() if first is None else frozenset(first.partition(":")[2].split())
+    assert cli_args.cpu_flags() == expected
