@@ -1,14 +1,14 @@
 """GemLite's INT4 GEMM (PyPI `gemlite`, Triton kernels for low-bit weights) against what a TinyLoop prefill runs
 today — cuBLAS on the dequantized 16-bit weight, and dequantize + cuBLAS for matrices used once — per seed-407m
 matrix and row count, weights streamed from DRAM (copies cycled inside one CUDA graph), with each product's
-error against float64. The one lever for prefill 128 that sessions 10-14 did not try (docs/BENCHMARKS.md,
-"Session 15"). Device only; GemLite is not a dependency of the package.
+error against float64: a low-bit GEMM library as a peer of the prefill path (docs/BENCHMARKS.md, "The floor of a
+chain of dependent phases"). Device only; GemLite is not a dependency of the package.
 
 GemLite installs nowhere on the device, so carry it as a wheel (pure Python; needs numpy, tqdm, triton >= 3.6):
 
     pip wheel --no-deps gemlite==0.6.0.post2 -w .whl        # here, once (.whl is git-ignored)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/gemlite-*.whl && \
-        PYTHONPATH=src:bench:/tmp/site python3 bench/gemlite_gemm.py --out $OUT/gemlite.json
+        PYTHONPATH=src:/tmp/site python3 bench/gemlite_gemm.py --out $OUT/gemlite.json
 
 GemLite's weight format is W ≈ q·scale + zero (its fma mode), the same as ours with zero = minimum, so the codes,
 scales and minimums are passed through unchanged; bfloat16 inputs get the scales and minimums rounded to
@@ -21,11 +21,11 @@ import argparse
 import json
 import os
 import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from gpu_suite import SEED_SHAPES, graph_time, random_int4_copies, timed
 
 from tinyloop.kernels.cuda_ops import dequantize_int4
 from tinyloop.quant import BlockedInt4Weight
@@ -33,6 +33,46 @@ from tinyloop.quant import BlockedInt4Weight
 SHAPES = ("qkv", "out", "gate_up", "down")
 ROWS = (16, 32, 64, 128, 256, 1024)
 APPLICATIONS = 36  # seed-407m at 8 loops: 2 + 4 x 8 + 2 layer applications per prefill
+
+
+SEED_SHAPES = {  # name: (N, K, act); act 1 (SwiGLU) reads 2N rows
+    "qkv": (6144, 2048, 0), "out": (2048, 2048, 0), "gate_up": (5632, 2048, 1), "down": (2048, 5632, 0),
+}  # fmt: skip
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def graph_time(fn: Callable[[], Any], calls: int, repeat: int = 20) -> float:
+    """Seconds per call of `fn` when `calls` of them run back to back inside one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    return statistics.median(timed(g.replay, repeat)) / calls
+
+
+def random_int4_copies(n_rows: int, k: int, gen: torch.Generator, group: int = 64) -> list[BlockedInt4Weight]:
+    """Enough distinct random INT4 matrices that cycling through them streams from DRAM, not the L2."""
+    copies = max(2, min(24, int(600e6 // (n_rows * k // 2))))
+    return [BlockedInt4Weight(torch.randint(0, 256, (n_rows, k // 2), dtype=torch.uint8, device="cuda", generator=gen),
+                              (torch.rand(n_rows, k // group, device="cuda", generator=gen) * 0.01).half(),
+                              (torch.rand(n_rows, k // group, device="cuda", generator=gen) * -0.05).half(), group)
+            for _ in range(copies)]  # fmt: skip
 
 
 def gemlite_linear(w: BlockedInt4Weight, dtype: torch.dtype) -> Any:

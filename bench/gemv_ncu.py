@@ -1,12 +1,12 @@
 """One seed-407m decode GEMV per shape for Nsight Compute: `ncu --kernel-name regex:_gemv --launch-skip 3
 --launch-count 1 python bench/gemv_ncu.py` profiles qkv (norm; `--launch-skip 11`: gate / up, norm + SwiGLU) at
 the built-in tiles, with weights streamed from DRAM (a different random copy per call). The Gluon GEMV where
-it builds; `--triton` for the Triton one, `--staged` for the staged one (kernel regex `_gemv_int4_staged`),
-`--staged --mma` for its tensor-core variant (kernel regex `_gemv_int4_staged_mma`)."""
+it builds; `--triton` for the Triton one, `--staged` for the staged one (kernel regex `_gemv_int4_staged`).
+Profiles of the default kernels: bench/results/ncu/."""
 
 from __future__ import annotations
 
-import sys
+import argparse
 
 import torch
 
@@ -15,10 +15,19 @@ from tinyloop.kernels.cuda_backend import gluon_supported, staged_supported
 from tinyloop.quant import BlockedInt4Weight
 
 
+def select_gemv(gluon: bool, staged: bool) -> None:
+    """KERNEL POLICY SWITCH: the one place this script chooses the one-row GEMV kernel (cuda_ops switches), until
+    cuda_ops takes the choice as a policy value."""
+    cuda_ops.USE_GLUON_GEMV = gluon and gluon_supported()
+    cuda_ops.USE_STAGED_GEMV = staged and staged_supported()
+
+
 def main() -> None:
-    cuda_ops.USE_GLUON_GEMV = "--triton" not in sys.argv and gluon_supported()
-    cuda_ops.USE_STAGED_GEMV = "--staged" in sys.argv and staged_supported()
-    cuda_ops.STAGED_MMA_SHAPES = None if "--mma" in sys.argv else frozenset()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--triton", action="store_true", help="the Triton GEMV instead of the Gluon one")
+    ap.add_argument("--staged", action="store_true", help="the staged GEMV (weights fetched by TMA before the wait)")
+    args = ap.parse_args()
+    select_gemv(gluon=not args.triton, staged=args.staged)
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n_rows, act in ((6144, cuda_ops.ACT_NONE), (2 * 5632, cuda_ops.ACT_SWIGLU)):
         k = 2048

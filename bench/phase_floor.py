@@ -4,7 +4,7 @@ loop count.
 
     python bench/phase_floor.py                       # seed-407m at 8 loops and Ouro-1.4B's shape at 4 loops
     python bench/phase_floor.py --preset seed-407m --loops 8 --bandwidth 4.07 --boundary-us 0.99
-    python bench/phase_floor.py --results bench/results/h200_session10_d.json --plot docs/gpu_phase_floor.png
+    python bench/phase_floor.py --results bench/results/h200_headline_seed407m_ouro.json --plot docs/gpu_phase_floor.png
 
 Phases counted per layer application, the fewest a one-token step of these models can have while each phase
 reads the whole output of the one before: QKV (norm fused), attention (RoPE and cache write fused), output
@@ -12,8 +12,9 @@ projection (+ residual), gate / up (norm and SwiGLU fused), down projection (+ r
 the embedding row and the head (final norm fused). Sandwich norms, loop-input adds and exit gates are assumed
 fused into a neighbour (they are separate launches today), so the phase count favours the target.
 
-Defaults are measured on the H200 (bench/results): copy bandwidth 4.07 TB/s (h200_session14_a.json, 2 GiB
-device-to-device copy, bytes read + written), a phase boundary 0.99 us (h200_session11_grid_barrier.json: one
+Defaults are measured on the H200 (bench/results): copy bandwidth 4.07 TB/s
+(h200_prefill_profiles_l2_residency.json, 2 GiB device-to-device copy, bytes read + written), a phase boundary
+0.99 us (h200_grid_barrier.json: one
 program per SM writes a value, the next kernel in a CUDA graph under programmatic dependent launch reads
 another program's value; a grid barrier inside one persistent kernel cost 1.92 us). Weights: INT4 with one
 16-bit scale and one 16-bit minimum per group of 64 (0.5625 bytes per weight), the embedding row and the head
@@ -143,11 +144,10 @@ def main() -> None:
 
 def _measured_ms(path: Path) -> dict[str, float]:
     data: dict[str, Any] = json.loads(path.read_text())
-    return {
-        name: data[section]["int4"]["decode_128_tokens_ms"]
-        for name, section in RESULT_SECTION.items()
-        if section in data and "int4" in data[section]
-    }
+    found = {name: data[s]["int4"] for name, s in RESULT_SECTION.items() if "int4" in data.get(s, {})}
+    headline = data.get("headline") or {}  # gpu_suite's headline section: {"seed407m": {...}, "ouro": {...}}
+    found.update({name: headline[s] for name, s in RESULT_SECTION.items() if s in headline})
+    return {name: row["decode_128_tokens_ms"] for name, row in found.items()}
 
 
 def _plot(rows: list[tuple[str, float, float]], measured: dict[str, float], tokens: int, path: str) -> None:

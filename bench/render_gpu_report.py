@@ -1,11 +1,8 @@
 """Markdown tables and plots for docs/BENCHMARKS.md from bench/gpu_suite.py's JSON: decode tokens/s vs loops
-(`--plot`), where one decode step's time goes (`--step-plot`, from a staged_mma_timeline section), and the
-Gluon INT4 GEMM's versions against cuBLAS (`--gemm-plot`, one gluon_gemm section per file).
+(`--plot`, from a seed407m section) and where one decode step's time goes (`--step-plot`, from a timeline section).
 
-python bench/render_gpu_report.py bench/results/h200_suite_final.json [--plot docs/gpu_decode_vs_loops.png]
-python bench/render_gpu_report.py bench/results/h200_session11_c.json --step-plot docs/gpu_decode_step.png
-python bench/render_gpu_report.py bench/results/h200_session12_{a,b,c,d}.json --gemm-plot docs/gpu_gluon_gemm.png \
-    --labels "register operand (wrong)" "shared memory" "+ scales staged" "blocked layout"
+python bench/render_gpu_report.py bench/results/h200_seed407m_loops_speculative.json --plot docs/gpu_decode_vs_loops.png
+python bench/render_gpu_report.py bench/results/h200_decode_step_timeline.json --step-plot docs/gpu_decode_step.png
 """
 
 from __future__ import annotations
@@ -33,18 +30,12 @@ def main() -> None:
     ap.add_argument("json", nargs="+", help="suite JSON files; later files override earlier sections")
     ap.add_argument("--plot")
     ap.add_argument("--step-plot")
-    ap.add_argument("--gemm-plot")
-    ap.add_argument("--labels", nargs="*", help="--gemm-plot: one label per JSON file (default: file names)")
     args = ap.parse_args()
-    if args.gemm_plot:
-        runs = [json.loads(Path(f).read_text())["gluon_gemm"] for f in args.json]
-        gemm_plot(runs, args.labels or [Path(f).stem for f in args.json], args.gemm_plot)
-        return
     data: dict[str, Any] = {}
     for f in args.json:
         data.update({k: v for k, v in json.loads(Path(f).read_text()).items() if v})
     if args.step_plot:
-        step_plot(data["staged_mma_timeline"], args.step_plot)
+        step_plot(step_timelines(data), args.step_plot)
         if "seed407m" not in data:
             return
     RESULTS_ENV.update(data.get("env", {"copy_bandwidth_TBps": 4.15}))
@@ -94,6 +85,14 @@ STEP_GROUPS = {
 }
 
 
+def step_timelines(data: dict[str, Any]) -> dict[str, Any]:
+    """The suite's timeline section ({"pdl", "no_pdl"}), or an older file's CUDA-core rows of the same data."""
+    if "timeline" in data:
+        return {"PDL (default)": data["timeline"]["pdl"], "no PDL": data["timeline"]["no_pdl"]}
+    old = data["staged_mma_timeline"]
+    return {"PDL (default)": old["cuda cores, pdl"], "no PDL": old["cuda cores, no pdl"]}
+
+
 def step_plot(timelines: dict[str, Any], path: str) -> None:
     """One stacked bar per setting: µs each kernel group adds to a seed-407m decode step (launches x mean)."""
     import matplotlib
@@ -119,42 +118,6 @@ def step_plot(timelines: dict[str, Any], path: str) -> None:
     ax.invert_yaxis()
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
     ax.set_title("Where a decode step goes (H200; each kernel's end minus the previous one's)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print("wrote", path)
-
-
-GEMM_MATRICES = ("qkv", "out", "gate_up", "down")
-
-
-def gemm_plot(runs: list[dict[str, Any]], labels: list[str], path: str, rows: int = 128) -> None:
-    """Grouped bars: µs per seed-407m matrix at `rows` rows, each run's best Gluon tile, and cuBLAS on the
-    dequantized weight (the median of the runs' own cuBLAS timings)."""
-    import statistics
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    if len(labels) != len(runs):
-        raise SystemExit(f"--labels: {len(runs)} labels expected (one per JSON file), got {len(labels)}")
-    series = {}
-    for lab, run in zip(labels, runs, strict=True):
-        series[lab] = [run[f"{m} rows={rows}"]["best_us"] for m in GEMM_MATRICES]
-    series["cuBLAS on the dequantized weight"] = [
-        statistics.median(run[f"{m} rows={rows}"]["cublas_us"] for run in runs) for m in GEMM_MATRICES
-    ]
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(series)
-    for i, (lab, values) in enumerate(series.items()):
-        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(GEMM_MATRICES))]
-        ax.bar(xs, values, width, label=lab, color="black" if lab.startswith("cuBLAS") else None)
-    ax.set_xticks(range(len(GEMM_MATRICES)), [m.replace("_", " / ") for m in GEMM_MATRICES])
-    ax.set_ylabel(f"µs per product ({rows} rows, bf16)")
-    ax.set_title("Gluon INT4 GEMM versions vs cuBLAS (H200, seed-407m matrices)")
-    ax.legend(fontsize=8)
-    ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print("wrote", path)

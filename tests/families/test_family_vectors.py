@@ -160,7 +160,7 @@ def test_ouro_greedy_generation(family_files) -> None:
 @pytest.mark.parametrize("family", ["ouro", "huginn"])
 @pytest.mark.parametrize("bits, bound", [(8, 0.05), (4, 0.5)])
 def test_quantized_conversions_stay_close(family_files, tmp_path, family: str, bits: int, bound: float) -> None:
-    """docs/FAMILIES.md states the measured errors (tools/family_quant_error.py); this guards them loosely."""
+    """docs/FAMILIES.md states the measured errors (bench/family_quant_error.py); this guards them loosely."""
     from tinyloop.convert.from_hf import convert_hf
 
     meta, ref = reference(family)
