@@ -7,7 +7,16 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from tinyloop.cli.args import CliError, Parser, non_negative_float, non_negative_int, positive_int, probability
+from tinyloop.cli.args import (
+    CliError,
+    Parser,
+    add_dtype_argument,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    probability,
+    torch_dtype,
+)
 from tinyloop.cli.constraint_args import add_constraint_arguments, build_grammar
 
 if TYPE_CHECKING:
@@ -37,6 +46,7 @@ def build_parser() -> Parser:
     p.add_argument("--stats", action="store_true", help="acceptance, tokens per verify pass and speed-up to stderr")
     p.add_argument("--no-adaptive", action="store_true", help="always draft --draft-ahead tokens")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    add_dtype_argument(p)  # the same default as generate, so that greedy output equals generate's
     add_constraint_arguments(p)
     return p
 
@@ -62,7 +72,10 @@ def run_speculate(path: str, argv: list[str]) -> int:
     from tinyloop.errors import TinyLoopFormatError
 
     try:
-        model = Model(path, max_seq_len=2048, device=args.device, cache_window=args.cache_window)
+        model = Model(
+            path, max_seq_len=2048, device=args.device, dtype=torch_dtype(args.dtype, args.device),
+            cache_window=args.cache_window,
+        )  # fmt: skip
     except TinyLoopFormatError as exc:
         raise CliError(str(exc), code=1) from None
     except ValueError as exc:
