@@ -20,8 +20,8 @@ import torch
 
 import tinyloop
 from tinyloop import Grammar, Model
+from tinyloop.grammar.vocab import TokenVocab, byte_level_pieces
 from tinyloop.runtime.speculative import SpecConfig, speculative_tokens
-from tinyloop.runtime.vocab import TokenVocab, byte_level_pieces
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / ".carry" / "corpus"

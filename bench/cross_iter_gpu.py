@@ -17,11 +17,11 @@ import numpy as np
 import torch
 
 from tinyloop import Model
+from tinyloop.convert.add_channels import add_rounding_channels
 from tinyloop.convert.random_model import random_weights
 from tinyloop.format.writer import write_model
+from tinyloop.model.cross_iter import has_cross_iter
 from tinyloop.presets import preset
-from tinyloop.stochastic.add_channels import add_rounding_channels
-from tinyloop.stochastic.bind import has_cross_iter
 
 
 def build(name: str, work: Path) -> dict[str, Path]:

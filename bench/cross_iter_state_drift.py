@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
+from tinyloop.convert.add_channels import load_float_checkpoint
 from tinyloop.format.header import read_header
 from tinyloop.model.looped import embed, initial_state, loop_iteration, run_prelude
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.loader import load_engine
-from tinyloop.stochastic.add_channels import load_float_checkpoint
 from tinyloop.stochastic.weight import CrossIterRound
 from tinyloop.train.evaluate import engine_from_flat, eval_windows, read_val_docs
 

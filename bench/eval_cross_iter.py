@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
+from tinyloop.convert.add_channels import add_rounding_channels, load_float_checkpoint
 from tinyloop.format.header import read_header
 from tinyloop.runtime.loader import load_engine
-from tinyloop.stochastic.add_channels import add_rounding_channels, load_float_checkpoint
 from tinyloop.stochastic.weight import CrossIterRound
 from tinyloop.train.evaluate import bpb_by_loops, engine_from_flat, eval_windows, read_val_docs
 

@@ -1,4 +1,4 @@
-"""Fixtures: small model files written once per test session."""
+"""Fixtures: small model files written once per test session. Markers `interpret`, `slow`: tests/suite_markers.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 
 from helpers import random_flat_weights
+from suite_markers import add_markers
 from tinyloop.presets import preset
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    add_markers(items)
 
 
 @pytest.fixture(scope="session")

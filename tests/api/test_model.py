@@ -129,7 +129,7 @@ def test_config_and_memory_report(tiny_files) -> None:
 
 
 def test_out_of_memory_is_a_runtime_error_starting_with_out_of_memory(tiny_files, monkeypatch) -> None:
-    import tinyloop.runtime.memory as memory
+    import tinyloop.cache.memory as memory
 
     monkeypatch.setattr(memory, "available_host_bytes", lambda: 1000)
     with tinyloop.Model(tiny_files["f16"], max_seq_len=512) as m:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import tinyloop
-import tinyloop.runtime.memory as memory
+import tinyloop.cache.memory as memory
 from tinyloop.api.model import Model
 from tinyloop.cache.pool import PrefixPool
 

@@ -10,6 +10,7 @@ from test_cpu_decode import fast_step
 
 from helpers import frob_rel_error, random_flat_weights
 from naive_reference import naive_forward
+from shared_data import unavailable
 from tinyloop.config import ArchConfig
 from tinyloop.kernels import cpu_int4
 from tinyloop.layout import model_specs
@@ -19,7 +20,8 @@ from tinyloop.runtime.cpu_decode import CpuDecoder
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.loader import prepare_weights
 
-pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="this torch has no CPU INT4 kernel")
+if not cpu_int4.available():
+    unavailable(f"torch {torch.__version__} has no CPU INT4 kernel (torch._weight_int4pack_mm_for_cpu)")
 
 # Relative Frobenius error of a whole model whose every matmul rounds its input and output to bfloat16
 # (measured: 0.5-2.2 % over these variants; wrong codes, scales or rows give errors of order 1).

@@ -6,8 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
-VECTORS = Path("/work/shared/vectors")
-FAMILY_DIRS = {"ouro": VECTORS / "ouro-tiny", "huginn": VECTORS / "huginn-tiny"}
+from shared_data import shared_path
+
 SPECIALS = {
     "ouro": ["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
     "huginn": ["<|begin_text|>", "<|end_text|>", "<|begin_header|>", "<|end_header|>", "<|end_turn|>", "<|pad|>"],
@@ -36,11 +36,17 @@ def tiny_tokenizer_json(family: str, vocab_size: int = 320) -> str:
     return str(tok.to_str())
 
 
+def family_dir(family: str) -> Path:
+    """The family's reference vectors in `../shared` (a failure on CI when missing, a visible skip elsewhere)."""
+    return shared_path("vectors", f"{family}-tiny")
+
+
 def copy_vectors(family: str, dest: Path, tokenizer: bool = True) -> Path:
     """The reference checkpoint folder (config, generation config, weights), plus a tiny tokenizer."""
+    source = family_dir(family)
     dest.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "generation_config.json", "model.safetensors"):
-        shutil.copy(FAMILY_DIRS[family] / name, dest / name)
+        shutil.copy(source / name, dest / name)
         (dest / name).chmod(0o644)
     if tokenizer:
         (dest / "tokenizer.json").write_text(tiny_tokenizer_json(family))
@@ -51,8 +57,9 @@ def copy_vectors(family: str, dest: Path, tokenizer: bool = True) -> Path:
 def reference(family: str) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
-    meta = json.loads((FAMILY_DIRS[family] / "reference.json").read_text())
-    return meta, load_file(str(FAMILY_DIRS[family] / "reference.safetensors"))
+    source = family_dir(family)
+    meta = json.loads((source / "reference.json").read_text())
+    return meta, load_file(str(source / "reference.safetensors"))
 
 
 def max_rel(got, ref) -> float:  # type: ignore[no-untyped-def]

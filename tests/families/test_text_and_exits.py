@@ -14,10 +14,10 @@ import torch
 
 from tinyloop.api.model import Model
 from tinyloop.cache.kv import KVCache
-from tinyloop.cache.slots import body_slot
 from tinyloop.errors import TinyLoopFormatError
 from tinyloop.format.header import read_header
 from tinyloop.format.tokenizer_meta import TokenizerMeta, parse_tokenizer_meta
+from tinyloop.model.slots import body_slot
 from tinyloop.runtime.adaptive_exit import ExitCriterion, adaptive_decode_step
 from tinyloop.runtime.loader import load_engine
 from tinyloop.text.chat import render_chat

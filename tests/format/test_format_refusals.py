@@ -178,7 +178,10 @@ def test_duplicate_keys(copy_of) -> None:
 def test_misaligned_data_section(copy_of) -> None:
     path = copy_of("4")
     doc, data = split(path)
-    join(path, doc, data, align=1) if (8 + len(json.dumps(doc))) % 8 else pytest.skip("already aligned")
+    header = json.dumps(doc).encode()
+    header += b" " * (1 - min(1, (8 + len(header)) % 8))  # one trailing space when it would land aligned
+    assert (8 + len(header)) % 8
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
     refused(path, "multiple of 8")
 
 

@@ -8,7 +8,7 @@ import torch
 from gen_helpers import tiny_engine
 
 from tinyloop.api.model import Model
-from tinyloop.cache.slots import body_slot
+from tinyloop.model.slots import body_slot
 from tinyloop.runtime.depth_schedule import DepthSchedule
 from tinyloop.runtime.generate import SamplingParams, stream_tokens
 

@@ -12,9 +12,9 @@ from gen_helpers import tiny_engine
 
 from tinyloop import Grammar
 from tinyloop.api.model import Model
+from tinyloop.grammar.vocab import TokenVocab, byte_level_pieces
 from tinyloop.runtime.generate import GenerationStats, SamplingParams, stream_tokens
 from tinyloop.runtime.speculative import SpecConfig, SpeculativeStats, speculative_tokens
-from tinyloop.runtime.vocab import TokenVocab, byte_level_pieces
 
 SCHEMA = {
     "type": "object",

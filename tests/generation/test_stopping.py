@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from tinyloop.api.model import Model
+from tinyloop.grammar.vocab import TokenVocab
 from tinyloop.runtime.stop_strings import StopStringFilter, StreamPiece
-from tinyloop.runtime.vocab import TokenVocab
 
 
 @pytest.fixture(scope="module")

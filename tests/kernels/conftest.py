@@ -1,10 +1,12 @@
-"""Kernel tests run the Triton kernels in Triton's CPU interpreter; skipped where Triton is missing."""
+"""Kernel tests run the Triton kernels in Triton's CPU interpreter; Triton missing: a failure on CI, else a skip."""
 
 from __future__ import annotations
 
 import pytest
 
-triton = pytest.importorskip("triton")
+from shared_data import require_module
+
+require_module("triton")
 
 
 @pytest.fixture(autouse=True)

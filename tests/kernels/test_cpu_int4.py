@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from helpers import frob_rel_error
+from shared_data import unavailable
 from tinyloop.kernels import cpu_int4
 from tinyloop.kernels.dispatch import embedding, linear, weight_kind
 from tinyloop.quant import BlockedInt4Weight, CpuInt4Weight, Int4Weight, quantize_int4
 
-pytestmark = pytest.mark.skipif(not cpu_int4.available(), reason="this torch has no CPU INT4 kernel")
+if not cpu_int4.available():
+    unavailable(f"torch {torch.__version__} has no CPU INT4 kernel (torch._weight_int4pack_mm_for_cpu)")
 
 # One bfloat16 rounding of each output (2^-9) and of each input, summed over a dot product.
 KERNEL_TOL = 6e-3

@@ -6,24 +6,49 @@ from __future__ import annotations
 
 import pytest
 
-from tinyloop.kernels.gluon_gemv_staged import CHUNK_BLOCKS, SMEM_BUDGET, TILE_ROWS, staged_plan
+from tinyloop.kernels import gluon_gemv_staged as staged
+from tinyloop.kernels.gluon_gemv_staged import CHUNK_BLOCKS, SMEM_BUDGET, TILE_ROWS, StagedPlan, staged_plan
 
 SEED_407M = [(6144, 2048, 0), (2048, 2048, 0), (5632, 2048, 1), (2048, 5632, 0)]
 
 
-@pytest.mark.parametrize(("n", "k", "act"), [*SEED_407M, (1000, 512, 2), (17, 1024, 1), (4096, 8192, 0)])
-@pytest.mark.parametrize("sms", [132, 114, 7])
-def test_plan_covers_every_row_once_with_one_program_per_sm(n: int, k: int, act: int, sms: int) -> None:
-    plan = staged_plan(n, k, act, sms)
-    if plan is None:
-        return
+SHAPES = [*SEED_407M, (1000, 512, 2), (17, 1024, 1), (4096, 8192, 0)]
+CASES = [(n, k, act, sms) for n, k, act in SHAPES for sms in (132, 114, 7)]
+# Whole 64-column blocks everywhere: a case is refused only for shared memory (the test below checks that).
+PLANNED = [c for c in CASES if staged_plan(*c) is not None]
+OVER_BUDGET = [c for c in CASES if staged_plan(*c) is None]
+
+
+def check_cut(plan: StagedPlan, n: int, k: int, sms: int) -> None:
     rows_per_program = plan.tiles * TILE_ROWS
     assert plan.programs * rows_per_program >= n > (plan.programs - 1) * rows_per_program
     assert plan.programs <= sms
     assert plan.chunks * CHUNK_BLOCKS * 64 >= k > (plan.chunks - 1) * CHUNK_BLOCKS * 64
-    assert plan.smem_bytes <= SMEM_BUDGET
     if plan.tiles > 1:  # one tile fewer would need more programs than SMs
         assert -(-n // ((plan.tiles - 1) * TILE_ROWS)) > sms
+
+
+@pytest.mark.parametrize(("n", "k", "act", "sms"), PLANNED)
+def test_plan_covers_every_row_once_with_one_program_per_sm(n: int, k: int, act: int, sms: int) -> None:
+    plan = staged_plan(n, k, act, sms)
+    assert plan is not None
+    check_cut(plan, n, k, sms)
+    assert plan.smem_bytes <= SMEM_BUDGET
+
+
+@pytest.mark.parametrize(("n", "k", "act", "sms"), OVER_BUDGET)
+def test_plan_is_refused_exactly_when_it_needs_more_shared_memory_than_the_budget(
+    n: int, k: int, act: int, sms: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(staged, "SMEM_BUDGET", 2**40)
+    plan = staged_plan.__wrapped__(n, k, act, sms)  # past the cache, which holds the real budget's answer
+    assert plan is not None
+    check_cut(plan, n, k, sms)
+    assert plan.smem_bytes > SMEM_BUDGET
+
+
+def test_both_outcomes_are_covered() -> None:
+    assert len(PLANNED) == 11 and len(OVER_BUDGET) == 10
 
 
 def test_seed_407m_shapes_all_apply_on_an_h200() -> None:

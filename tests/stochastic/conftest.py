@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tinyloop.config import ArchConfig
+from tinyloop.convert.add_channels import add_rounding_channels
 from tinyloop.convert.random_model import random_weights
 from tinyloop.format.writer import write_model
 from tinyloop.presets import preset
-from tinyloop.stochastic.add_channels import add_rounding_channels
 
 
 @pytest.fixture(scope="session")

@@ -10,7 +10,7 @@ import torch
 
 from tinyloop import Model
 from tinyloop.kernels.dispatch import weight_kind
-from tinyloop.stochastic.bind import at_iteration, has_cross_iter
+from tinyloop.model.cross_iter import at_iteration, has_cross_iter
 from tinyloop.stochastic.weight import StochasticInt4Weight
 
 TOKENS = np.array([3, 14, 15, 92, 65, 35, 89, 79, 32, 38], dtype=np.int32)

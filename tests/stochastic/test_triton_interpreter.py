@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
-import pytest
+from shared_data import require_module
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+require_module("triton")
 
 SCRIPT = textwrap.dedent(
     """
     import torch
-    from tinyloop.kernels.triton_stochastic import triton_effective_weight
+    from tinyloop.kernels.triton_stochastic import draw_effective_weight, triton_effective_weight
     from tinyloop.quant import quantize_int4
-    from tinyloop.stochastic.backend import reference_effective_weight
+    from tinyloop.stochastic.weight import reference_effective_weight
     from tinyloop.stochastic.channels import encode_channel, rounding_residual
     from tinyloop.stochastic.pcg import call_key
     from tinyloop.stochastic.weight import ChanneledInt4Weight
@@ -38,6 +37,7 @@ SCRIPT = textwrap.dedent(
                     want = reference_effective_weight(cw, key, dtype)
                     got = triton_effective_weight(w4.packed, w4.scale, w4.minimum, ch, kind, group, key, dtype)
                     assert got.dtype == dtype and torch.equal(got, want), (out_f, in_f, kind, key, dtype)
+                    assert torch.equal(draw_effective_weight(cw, key, dtype), want)
                     checked += 1
     print("identical", checked)
 

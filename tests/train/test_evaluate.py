@@ -107,8 +107,8 @@ def test_generate_is_seeded_and_batched() -> None:
 
 
 def test_evaluate_model_file_writes_report(corpus_dir: Path, tmp_path: Path) -> None:
+    from tinyloop.convert.weight_shards import save_weight_shards
     from tinyloop.format.writer import write_model
-    from tinyloop.train.params import save_weight_shards
 
     cfg = TEST_TINY_TRAIN_CONFIG
     flat = random_flat_weights(cfg, 5)

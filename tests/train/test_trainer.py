@@ -9,13 +9,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tinyloop.convert import weight_shards
+from tinyloop.convert.weight_shards import load_weight_shards, save_weight_shards
 from tinyloop.model.looped import loop_iteration
 from tinyloop.model.weights import ModelWeights
 from tinyloop.runtime.engine import Engine
-from tinyloop.train import params as params_mod
 from tinyloop.train import trainer as trainer_mod
 from tinyloop.train.forward import RopeCache, train_logits
-from tinyloop.train.params import Params, init_tensors, load_weight_shards, save_weight_shards
+from tinyloop.train.params import Params, init_tensors
 from tinyloop.train.schedule import step_units
 from tinyloop.train.tiny_config import TEST_TINY_TRAIN_CONFIG
 from tinyloop.train.trainer import TrainArgs, Trainer, run
@@ -133,7 +134,7 @@ def test_time_budget_plans_the_schedule_to_fit(
 
 
 def test_sharded_weights_round_trip_and_init(corpus_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(params_mod, "MAX_SHARD_BYTES", 100_000)
+    monkeypatch.setattr(weight_shards, "MAX_SHARD_BYTES", 100_000)
     tensors = init_tensors(CFG, 2)
     paths = save_weight_shards(tmp_path, CFG, tensors)
     assert len(paths) > 1 and all(p.stat().st_size <= 100_000 + 10_000 for p in paths)

@@ -11,9 +11,9 @@ import torch
 
 from tinyloop.grammar.grammar import Grammar
 from tinyloop.grammar.index import TokenIndex
+from tinyloop.grammar.vocab import TokenVocab, vocab_from_tokenizer_json
 from tinyloop.runtime.depth_schedule import DepthSchedule
 from tinyloop.runtime.stop_strings import StreamPiece, text_pieces, with_stop_strings
-from tinyloop.runtime.vocab import TokenVocab, vocab_from_tokenizer_json
 
 
 def model_vocab(cfg: Any, tokenizer_json: dict[str, Any] | None) -> TokenVocab:

@@ -6,10 +6,10 @@ from typing import Protocol
 
 import torch
 
+from tinyloop.cache.memory import check_host_memory
 from tinyloop.config import ArchConfig
 from tinyloop.errors import OutOfMemoryError
 from tinyloop.model.layers import StepContext
-from tinyloop.runtime.memory import check_host_memory
 
 
 class StepCache(Protocol):

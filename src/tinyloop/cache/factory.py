@@ -10,10 +10,10 @@ from tinyloop.cache.base import ModeCache
 from tinyloop.cache.dense import DenseKVCache
 from tinyloop.cache.hidden import HiddenStateCache
 from tinyloop.cache.int8 import Int8KVCache
+from tinyloop.cache.memory import check_host_memory
 from tinyloop.cache.window import WindowKVCache
 from tinyloop.config import ArchConfig
 from tinyloop.env import RuntimeEnv
-from tinyloop.runtime.memory import check_host_memory
 
 KV_MODES = ("16bit", "int8", "window", "hidden", "none")
 

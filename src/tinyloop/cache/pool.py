@@ -12,6 +12,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from tinyloop.cache.pool_file import load_pool, save_pool
 from tinyloop.cache.radix import RadixNode, RadixTree, encode
 
 
@@ -254,8 +255,6 @@ class PrefixPool:
     # ---- files -------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write every entry (safetensors + JSON metadata), atomically: a crash leaves the old file."""
-        from tinyloop.cache.pool_file import save_pool
-
         save_pool(self, path)
 
     @classmethod
@@ -267,9 +266,9 @@ class PrefixPool:
         max_entries: int | None = None,
     ) -> PrefixPool:
         """Read a saved pool for `model` (a tinyloop.Model); a file from another model is refused."""
-        from tinyloop.cache.pool_file import load_pool
-
-        return load_pool(path, model, max_bytes, max_entries)
+        return load_pool(
+            path, model, lambda saved_bytes, saved_entries: cls(max_bytes or saved_bytes, max_entries or saved_entries)
+        )
 
     def __repr__(self) -> str:
         return f"PrefixPool({len(self)} entries, {self._bytes} of {self.max_bytes} bytes)"

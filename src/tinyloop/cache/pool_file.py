@@ -4,21 +4,34 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-if TYPE_CHECKING:
-    from tinyloop.cache.pool import PrefixPool
-
 FORMAT = "tinyloop-prefix-pool"
 VERSION = 1
 
 
-def save_pool(pool: PrefixPool, path: str | os.PathLike[str]) -> None:
+class SavablePool(Protocol):
+    """What a prefix pool offers this module (PrefixPool in cache/pool.py, which imports this one)."""
+
+    model_key: str | None
+    max_bytes: int
+    max_entries: int
+
+    def entries(self) -> list[Any]: ...
+
+    def register(self, item: Any) -> str: ...
+
+
+PoolT = TypeVar("PoolT", bound=SavablePool)
+
+
+def save_pool(pool: SavablePool, path: str | os.PathLike[str]) -> None:
     """Entries must offer export_tensors() -> {name: tensor}; written to a temporary file, then renamed."""
     path = Path(path)
     tensors: dict[str, torch.Tensor] = {}
@@ -64,12 +77,9 @@ def _metadata(path: Path) -> dict[str, Any]:
     return meta
 
 
-def load_pool(
-    path: str | os.PathLike[str], model: Any, max_bytes: int | None = None, max_entries: int | None = None
-) -> PrefixPool:
-    """Entries come back as the model's PrefixCache objects, on its device, in their saved LRU order."""
-    from tinyloop.cache.pool import PrefixPool
-
+def load_pool(path: str | os.PathLike[str], model: Any, new_pool: Callable[[int, int], PoolT]) -> PoolT:
+    """Entries come back as the model's PrefixCache objects, on its device, in their saved LRU order, in the
+    pool that new_pool(saved max_bytes, saved max_entries) makes."""
     path = Path(path)
     meta = _metadata(path)
     identity = model.cache_identity
@@ -78,7 +88,7 @@ def load_pool(
             f"{path}: this prefix pool was saved for model {meta['model_key']}, but the model is {identity} "
             "(other weights, dtype or KV mode); rebuild the pool with this model"
         )
-    pool = PrefixPool(max_bytes or meta["max_bytes"], max_entries or meta["max_entries"])
+    pool = new_pool(meta["max_bytes"], meta["max_entries"])
     with safe_open(str(path), framework="pt", device=str(model.device)) as f:
         for i, entry in enumerate(meta["entries"]):
             tensors = {name: f.get_tensor(f"{i}/{name}") for name in entry["names"]}

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         # later iteration averages out.
         print(f"{PROG}: error: pass --loop-only: channels are only defined for looped matrices", file=sys.stderr)
         return 2
-    from tinyloop.stochastic.add_channels import add_rounding_channels
+    from tinyloop.convert.add_channels import add_rounding_channels
 
     try:
         report = add_rounding_channels(args.input, args.output, args.from_pt, args.frac_bits, not args.quiet)

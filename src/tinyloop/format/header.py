@@ -12,7 +12,6 @@ from tinyloop.config import ArchConfig
 from tinyloop.errors import TinyLoopFormatError
 from tinyloop.format.spec import (
     BITS,
-    CHANNELS,
     DTYPE_SIZES,
     FLOAT_DTYPES,
     FORMAT_NAME,
@@ -32,6 +31,7 @@ from tinyloop.format.spec import (
 )
 from tinyloop.format.tokenizer_meta import TokenizerMetaError, parse_tokenizer_meta
 from tinyloop.layout import model_specs
+from tinyloop.stochastic.channel_kinds import CHANNELS
 
 _VERSION_RE = re.compile(r"(0|[1-9][0-9]{0,8})\.(0|[1-9][0-9]{0,8})")
 _CRC_RE = re.compile(r"[0-9a-f]{8}")

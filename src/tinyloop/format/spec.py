@@ -7,6 +7,7 @@ from typing import Literal
 
 from tinyloop.config import ArchConfig
 from tinyloop.layout import TensorSpec, model_specs
+from tinyloop.stochastic.channel_kinds import Channel
 
 FORMAT_NAME = "tinyloop"
 # Files without rounding channels are written as 1.0, so every reader of 1.x keeps reading them.
@@ -29,8 +30,6 @@ VECTOR_DTYPE = "F32"
 SCALE_DTYPE = "F16"
 
 Kind = Literal["dense", "int8", "int4"]
-Channel = Literal["sign", "frac4"]
-CHANNELS: tuple[Channel, ...] = ("sign", "frac4")
 KINDS: tuple[Kind, ...] = ("dense", "int8", "int4")
 # The lowest precision each `bits` value allows; a tensor may always be stored more precisely.
 _KIND_BITS = {"dense": 16, "int8": 8, "int4": 4}

@@ -12,7 +12,7 @@ if TYPE_CHECKING:  # torch loads only when an index is built: CLI argument error
     import torch
 
     from tinyloop.grammar.index import TokenIndex
-    from tinyloop.runtime.vocab import TokenVocab
+    from tinyloop.grammar.vocab import TokenVocab
 
 # Constructs Python's `re` accepts but a finite automaton cannot express (or the automaton library reads
 # differently); found by a scan so the error can name their position.

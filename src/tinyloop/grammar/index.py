@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from tinyloop.runtime.vocab import TokenVocab
+from tinyloop.grammar.vocab import TokenVocab
 
 
 class TokenIndex:

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from tinyloop.stochastic.channels import Channel
 from tinyloop.stochastic.pcg import MASK32, PCG_INCREMENT, PCG_MULTIPLIER, PCG_OUTPUT_MULTIPLIER, RANDOM_BITS
+from tinyloop.stochastic.weight import ChanneledInt4Weight, StochasticInt4Weight
 
 BLOCK = 512
 MATVEC_ROWS = 4
@@ -159,8 +160,6 @@ def stochastic_matvec(
 
 def stochastic_linear(x: torch.Tensor, w: object) -> torch.Tensor:
     """The ('int4_stoch', 'cuda') dispatch kernel: x @ w_eff.T for a StochasticInt4Weight bound to an iteration."""
-    from tinyloop.stochastic.weight import StochasticInt4Weight
-
     assert isinstance(w, StochasticInt4Weight)
     key = w.key
     rows = x.reshape(-1, x.shape[-1])
@@ -197,3 +196,8 @@ def triton_effective_weight(
         IS_SIGN=kind == "sign", BF16_BITS=bf16, SHIFT=32 - RANDOM_BITS, BLOCK_COLS=BLOCK,
     )  # fmt: skip
     return out.view(torch.bfloat16) if bf16 else out
+
+
+def draw_effective_weight(w: ChanneledInt4Weight, key: int, dtype: torch.dtype) -> torch.Tensor:
+    """StochasticInt4Weight's `draw` on CUDA: triton_effective_weight of the weight's own tensors."""
+    return triton_effective_weight(w.packed, w.scale, w.minimum, w.channel, w.channel_kind, w.group_size, key, dtype)

@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tinyloop.cache.slots import body_slot, coda_slot, prelude_slot
 from tinyloop.config import ArchConfig
 from tinyloop.kernels.dispatch import embedding, linear
+from tinyloop.model.cross_iter import at_iteration
 from tinyloop.model.layers import StepContext, layer, norm
+from tinyloop.model.slots import body_slot, coda_slot, prelude_slot
 from tinyloop.model.weights import ModelWeights
-from tinyloop.stochastic.bind import at_iteration
 
 
 @dataclass

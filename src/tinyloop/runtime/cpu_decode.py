@@ -20,10 +20,10 @@ import torch.nn.functional as F
 
 from tinyloop.cache.dense import DenseKVCache
 from tinyloop.cache.kv import KVCache
-from tinyloop.cache.slots import body_slot, coda_slot, prelude_slot
 from tinyloop.config import ArchConfig
 from tinyloop.kernels import cpu_int4
 from tinyloop.model.looped import ForwardOutput, gate_logit
+from tinyloop.model.slots import body_slot, coda_slot, prelude_slot
 from tinyloop.model.weights import LayerWeights, ModelWeights, Norm
 from tinyloop.quant import CpuInt4Weight
 

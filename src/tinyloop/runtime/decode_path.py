@@ -49,7 +49,7 @@ def select_decoder(engine: Engine) -> Decoder | None:
         if not cpu_decode.supports(engine.cfg, engine.weights, engine.device, engine.dtype):
             return None
         return cpu_decode.CpuDecoder(engine.cfg, engine.weights, engine.cos, engine.sin, engine.noise)
-    from tinyloop.stochastic.bind import has_cross_iter
+    from tinyloop.model.cross_iter import has_cross_iter
 
     if has_cross_iter(engine.weights):  # each iteration draws its own weights: only the generic path does
         return None

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 
 from tinyloop.cache.kv import KVCache
-from tinyloop.cache.slots import body_slot
 from tinyloop.cache.window import WindowKVCache
+from tinyloop.model.slots import body_slot
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 
 from tinyloop.cache.kv import KVCache
-from tinyloop.cache.slots import body_slot, coda_slot, prelude_slot
 from tinyloop.kernels import cuda_ops as ops
 from tinyloop.kernels import l2_residency
 from tinyloop.kernels.attention_backend import sdpa
 from tinyloop.log import detail, info
 from tinyloop.model.looped import ForwardOutput, embed, gate_logit, initial_state
+from tinyloop.model.slots import body_slot, coda_slot, prelude_slot
 from tinyloop.model.weights import LayerWeights
 from tinyloop.quant import Int4Weight
 from tinyloop.runtime.engine import Engine

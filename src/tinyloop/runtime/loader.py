@@ -15,10 +15,10 @@ from tinyloop.kernels import cpu_int4, cuda_backend
 from tinyloop.kernels.dispatch import Weight
 from tinyloop.kernels.l2_residency import L2Plan, keep_looped_resident
 from tinyloop.log import info
+from tinyloop.model.cross_iter import stochastic_weights
 from tinyloop.model.weights import ModelWeights
 from tinyloop.quant import BlockedInt4Weight, Int4Weight, Int8Weight
 from tinyloop.runtime.engine import Engine, cpu_threads_for
-from tinyloop.stochastic.bind import stochastic_weights
 from tinyloop.stochastic.weight import CrossIterRound
 
 

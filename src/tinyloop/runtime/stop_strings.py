@@ -6,7 +6,7 @@ import codecs
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
-from tinyloop.runtime.vocab import TokenVocab
+from tinyloop.grammar.vocab import TokenVocab
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from tinyloop.format.spec import CHANNELS, Channel
 from tinyloop.quant import Int4Weight
+from tinyloop.stochastic.channel_kinds import CHANNELS, Channel
 
 __all__ = ["CHANNELS", "Channel", "FRAC_BITS", "channel_shape", "decode_channel", "encode_channel"]
 FRAC_BITS: dict[int, Channel] = {1: "sign", 4: "frac4"}

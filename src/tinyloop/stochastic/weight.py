@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -11,6 +12,7 @@ from tinyloop.quant import Int4Weight
 from tinyloop.stochastic.cache import EffectiveCache
 from tinyloop.stochastic.channels import CHANNELS, Channel, channel_shape
 from tinyloop.stochastic.pcg import MASK32, call_key
+from tinyloop.stochastic.rounding import dequantize_codes, effective_codes
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,15 @@ class ChanneledInt4Weight(Int4Weight):
         )
 
 
+EffectiveWeightFn = Callable[[ChanneledInt4Weight, int, torch.dtype], torch.Tensor]
+
+
+def reference_effective_weight(w: ChanneledInt4Weight, key: int, dtype: torch.dtype) -> torch.Tensor:
+    """The [out, in] weight in `dtype` for one key, in torch (the reference every backend matches bit for bit)."""
+    codes = effective_codes(w.packed, w.channel, w.channel_kind, key)
+    return dequantize_codes(codes, w.scale, w.minimum, w.group_size, dtype)
+
+
 @dataclass(frozen=True)
 class StochasticInt4Weight(ChanneledInt4Weight):
     """A looped matrix whose dequantized value is drawn afresh for each loop iteration.
@@ -70,12 +81,14 @@ class StochasticInt4Weight(ChanneledInt4Weight):
     call: the matrix's index in the layout, so two matrices never share a random stream.
     iteration: the loop iteration it is bound to; None (outside the loop) dequantizes as plain INT4.
     cache: shared by a model's stochastic matrices (CPU), or None.
+    draw: computes the effective weight for a key; chosen at load (the Triton kernel on CUDA), same bits.
     """
 
     seed: int = 0
     call: int = 0
     iteration: int | None = None
     cache: EffectiveCache | None = field(default=None, compare=False, repr=False)
+    draw: EffectiveWeightFn = field(default=reference_effective_weight, compare=False, repr=False)
 
     @property
     def key(self) -> int | None:
@@ -91,9 +104,7 @@ class StochasticInt4Weight(ChanneledInt4Weight):
         cached = self.cache.get(self.call, self.iteration, dtype) if self.cache is not None else None
         if cached is not None:
             return cached
-        from tinyloop.stochastic.backend import effective_weight
-
-        w = effective_weight(self, key, dtype)
+        w = self.draw(self, key, dtype)
         if self.cache is not None:
             self.cache.put(self.call, self.iteration, dtype, w)
         return w

@@ -16,11 +16,15 @@ import torch
 import torch.nn.functional as F
 
 from tinyloop.config import ArchConfig
+from tinyloop.convert.weight_shards import load_weight_shards
+from tinyloop.format.reader import load_weights, read_header
 from tinyloop.kernels.dispatch import Weight
 from tinyloop.model.looped import embed, exit_hidden, head, initial_state, loop_iteration, run_prelude
 from tinyloop.model.weights import ModelWeights
 from tinyloop.quant import Int4Weight, Int8Weight
 from tinyloop.runtime.engine import Engine
+from tinyloop.train.codegen import TEMPERATURE, TOP_K, find_headers, generate, parse_rate
+from tinyloop.train.corpus import split_documents
 
 EVAL_LOOPS = (1, 2, 4, 8, 12, 16)
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]
@@ -72,8 +76,6 @@ def engine_from_flat(cfg: ArchConfig, flat: Mapping[str, Weight], device: torch.
 
 
 def engine_from_file(path: str | os.PathLike[str], device: torch.device | str = "cpu") -> Engine:
-    from tinyloop.format.reader import load_weights
-
     header, flat = load_weights(path, device="cpu")
     return engine_from_flat(header.config, flat, device)
 
@@ -136,8 +138,6 @@ SAMPLE_PROMPTS = ("def fibonacci(n):\n", "import os\n\n\ndef ", "class Stack:\n"
 
 def read_val_docs(corpus: Path) -> tuple[bytes, list[tuple[str, bytes]], dict[str, Any]]:
     """val.bin, its documents paired with their relative paths, and the manifest; the split's hash is checked."""
-    from tinyloop.train.corpus import split_documents
-
     manifest = json.loads((corpus / "manifest.json").read_text())
     val = (corpus / "val.bin").read_bytes()
     want = manifest["splits"]["val"]["sha256"]
@@ -165,10 +165,6 @@ def evaluate_model_file(
     device: str = "cpu",
 ) -> dict[str, Any]:
     """The built-in model's report on CPU: bits per byte by loops, parse rate, samples; JSON + PNG."""
-    from tinyloop.format.reader import read_header
-    from tinyloop.train.codegen import TEMPERATURE, TOP_K, find_headers, generate, parse_rate
-    from tinyloop.train.params import load_weight_shards
-
     t0 = time.monotonic()
     out_dir.mkdir(parents=True, exist_ok=True)
     val, docs, manifest = read_val_docs(corpus)

@@ -20,12 +20,13 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tinyloop.config import ArchConfig
+from tinyloop.convert.weight_shards import load_weight_shards, save_weight_shards
 from tinyloop.layout import parameter_count
 from tinyloop.model.looped import loop_iteration
 from tinyloop.model.weights import ModelWeights
 from tinyloop.train.evaluate import EVAL_LOOPS, bpb_by_loops, engine_from_file, engine_from_flat, eval_windows
 from tinyloop.train.forward import IterationFn, RopeCache, train_logits
-from tinyloop.train.params import Params, init_tensors, load_weight_shards, save_weight_shards
+from tinyloop.train.params import Params, init_tensors
 from tinyloop.train.plan import Plan, eval_units, seconds_per_unit, steps_that_fit
 from tinyloop.train.schedule import batch_offsets, loop_count, lr_at, step_units
 from tinyloop.train.tiny_config import train_config

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from tinyloop.convert.from_checkpoint import load_checkpoint
+from tinyloop.convert.weight_shards import load_weight_shards
 from tinyloop.errors import TinyLoopFormatError
 from tinyloop.format.header import ModelHeader
 from tinyloop.format.reader import load_weights
@@ -43,11 +45,7 @@ def load_float_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tenso
     p = Path(path)
     sharded = p.is_dir() or p.suffix == ".json" or (p.suffix == ".safetensors" and "-of-" in p.name)
     if not sharded:
-        from tinyloop.convert.from_checkpoint import load_checkpoint
-
         return load_checkpoint(p)
-    from tinyloop.train.params import load_weight_shards
-
     try:
         return load_weight_shards(p)[1]
     except (OSError, ValueError, KeyError) as exc:

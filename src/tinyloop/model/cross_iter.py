@@ -1,4 +1,5 @@
-"""Puts stochastic looped matrices into a loaded model and binds them to each loop iteration."""
+"""Cross-iteration rounding in the model: puts stochastic looped matrices into a loaded model and binds them
+to each loop iteration."""
 
 from __future__ import annotations
 
@@ -9,11 +10,18 @@ import torch
 
 from tinyloop import log
 from tinyloop.config import ArchConfig
-from tinyloop.kernels.dispatch import Weight
+from tinyloop.kernels.cuda_backend import triton_available
+from tinyloop.kernels.dispatch import Weight, register_linear_kernel
 from tinyloop.layout import model_specs
 from tinyloop.model.weights import LayerWeights, ModelWeights
 from tinyloop.stochastic.cache import EffectiveCache, MiB
-from tinyloop.stochastic.weight import ChanneledInt4Weight, CrossIterRound, StochasticInt4Weight
+from tinyloop.stochastic.weight import (
+    ChanneledInt4Weight,
+    CrossIterRound,
+    EffectiveWeightFn,
+    StochasticInt4Weight,
+    reference_effective_weight,
+)
 
 _MATRICES = ("qkv", "out", "gate_up", "up", "down")
 
@@ -25,12 +33,13 @@ def stochastic_weights(
     file has no channels; an error then if `rounding.require_channels`)."""
     calls = {s.name: i for i, s in enumerate(model_specs(cfg))}
     cache = EffectiveCache(rounding.cpu_cache_mib * MiB) if device.type == "cpu" and rounding.cpu_cache_mib else None
+    draw = _draw_function(device)
     out: dict[str, StochasticInt4Weight] = {}
     for name, w in flat.items():
         if isinstance(w, ChanneledInt4Weight):
             moved = w.to(device)
             fields = {f.name: getattr(moved, f.name) for f in dataclasses.fields(ChanneledInt4Weight)}
-            out[name] = StochasticInt4Weight(**fields, seed=rounding.seed, call=calls[name], cache=cache)
+            out[name] = StochasticInt4Weight(**fields, seed=rounding.seed, call=calls[name], cache=cache, draw=draw)
     if not out and rounding.require_channels:
         raise ValueError(
             f"{path}: cross_iter_round needs rounding channels, and this file has none; add them with "
@@ -46,13 +55,19 @@ def stochastic_weights(
     return out
 
 
+def _draw_function(device: torch.device) -> EffectiveWeightFn:
+    """The Triton kernel on CUDA when triton imports (an optional dependency), else the torch reference."""
+    if device.type == "cuda" and triton_available():
+        from tinyloop.kernels.triton_stochastic import draw_effective_weight
+
+        return draw_effective_weight
+    return reference_effective_weight
+
+
 def _install_cuda_kernel() -> None:
     """Decode-sized products draw the weights inside a fused Triton matvec; without triton the dispatch
     fallback (dequantize(), then a dense matmul) runs the torch reference on the GPU."""
-    from tinyloop.stochastic.backend import triton_available
-
     if triton_available():
-        from tinyloop.kernels.dispatch import register_linear_kernel
         from tinyloop.kernels.triton_stochastic import stochastic_linear
 
         register_linear_kernel("int4_stoch", "cuda", stochastic_linear)
