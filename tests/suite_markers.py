@@ -23,6 +23,7 @@ SLOW_TESTS = (
     "cli/test_cli.py::test_generate_in_bfloat16_on_cpu_keeps_the_greedy_text",
     "cli/test_cli.py::test_generate_greedy_is_repeatable_and_log_level_zero_is_quiet",
     "cache/test_handle_lifetime.py::test_cli_cache_window",
+    "cli/test_dtype_auto.py::test_speculate_takes_the_same_dtype_as_generate",
 )
 
 
