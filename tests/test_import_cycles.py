@@ -9,7 +9,6 @@ import grimp
 
 # Cycles the engine redesign removes (issue 29 leaves them to it); delete an entry when its cycle goes.
 KNOWN_CYCLES = {
-    frozenset({"tinyloop.api.caching", "tinyloop.api.model"}),
     frozenset({"tinyloop.runtime.decode_path", "tinyloop.runtime.engine", "tinyloop.runtime.fused_decode"}),
 }
 

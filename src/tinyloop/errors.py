@@ -29,3 +29,17 @@ class OutOfMemoryError(RuntimeError):
 
     def __init__(self, detail: str) -> None:
         super().__init__(f"out of memory: {detail}")
+
+
+class NonFiniteLogitsError(RuntimeError):
+    """The model produced NaN or infinite logits for a request; that request ends, the model stays usable."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "the model produced non-finite logits (NaN or inf) for this request: the weights, or the "
+            "activations for these tokens, overflow; the request was stopped and nothing it computed is reused"
+        )
+
+
+class ArgumentTypeError(TypeError, ValueError):
+    """An argument of the wrong type. A TypeError, and a ValueError too, as the API raised for these before."""

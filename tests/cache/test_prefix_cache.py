@@ -45,13 +45,14 @@ def test_logits_equal_a_fresh_run(models, mode: str) -> None:
     m = models[mode]
     pc = m.build_prefix_cache(PREFIX, loops=3)
     engine = m._engine
-    fresh = m._generation_cache(3)
-    fresh.truncate(0)
-    want = engine.step(torch.from_numpy(np.concatenate([PREFIX, SUFFIX]).astype(np.int64))[None], fresh, 3).logits[0]
+    with m._request_cache(3) as fresh:
+        fresh.truncate(0)
+        want = engine.step(torch.from_numpy(np.concatenate([PREFIX, SUFFIX]).astype(np.int64))[None], fresh, 3)
+        want = want.logits[0]
     assert max_rel_error(pc.last_logits(), want[PREFIX.size - 1]) <= LOGITS_TOLERANCE[mode]
-    working = m._generation_cache(3)
-    working.restore(pc.kv(), PREFIX.size, 3, PREFIX.size)
-    got = engine.step(torch.from_numpy(SUFFIX.astype(np.int64))[None], working, 3).logits[0]
+    with m._request_cache(3) as working:
+        working.restore(pc.kv(), PREFIX.size, 3, PREFIX.size)
+        got = engine.step(torch.from_numpy(SUFFIX.astype(np.int64))[None], working, 3).logits[0]
     assert max_rel_error(got, want[PREFIX.size :]) <= LOGITS_TOLERANCE[mode]
 
 
@@ -61,7 +62,7 @@ def test_a_snapshot_holds_only_the_prefix_positions(models) -> None:
     kv = pc.kv()
     assert kv is not None and kv["k"].shape[2] == PREFIX.size  # [slots, kv_heads, T, hd]
     assert pc.nbytes == sum(t.nbytes for t in kv.values()) + pc.last_logits().nbytes + PREFIX.nbytes
-    assert pc.nbytes < m._cache.nbytes  # the working cache spans max_seq_len
+    assert pc.nbytes < m._cache_bytes()  # the working cache spans max_seq_len
 
 
 def test_loops_mismatch_and_argument_errors(models) -> None:

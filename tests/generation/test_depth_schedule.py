@@ -10,7 +10,8 @@ from gen_helpers import tiny_engine
 from tinyloop.api.model import Model
 from tinyloop.model.slots import body_slot
 from tinyloop.runtime.depth_schedule import DepthSchedule
-from tinyloop.runtime.generate import SamplingParams, stream_tokens
+from tinyloop.runtime.generate import stream_tokens
+from tinyloop.sampling import SamplingParams
 
 
 def test_no_warmup_equals_plain(tiny_files) -> None:
@@ -28,7 +29,7 @@ def test_warmup_follows_the_documented_rule() -> None:
     cfg, loops, shallow, n_warm = engine.cfg, 4, 2, 3
     prompt = torch.tensor(list(b"The meaning"))
     cache = engine.new_cache(1, 64, loops)
-    params = SamplingParams(0.0)
+    params = SamplingParams(temperature=0.0)
     got = list(stream_tokens(engine, cache, prompt, 6, loops, params, schedule=DepthSchedule(n_warm, shallow)))
     p0 = len(prompt)
     # Rule: at each shallow position, every skipped iteration's slots hold iteration shallow-1's K/V.

@@ -13,8 +13,9 @@ from gen_helpers import tiny_engine
 from tinyloop import Grammar
 from tinyloop.api.model import Model
 from tinyloop.grammar.vocab import TokenVocab, byte_level_pieces
-from tinyloop.runtime.generate import GenerationStats, SamplingParams, stream_tokens
+from tinyloop.runtime.generate import GenerationStats, stream_tokens
 from tinyloop.runtime.speculative import SpecConfig, SpeculativeStats, speculative_tokens
+from tinyloop.sampling import SamplingParams
 
 SCHEMA = {
     "type": "object",
@@ -148,7 +149,7 @@ def test_bpe_vocab_outputs_fully_match(bpe_vocab) -> None:
     for i, pattern in enumerate(PATTERNS):
         index = Grammar(pattern).index(bpe_vocab)
         stats = GenerationStats()
-        params = SamplingParams(1.0, 0, 1.0, i)
+        params = SamplingParams(temperature=1.0, top_k=0, seed=i)
         out = list(
             stream_tokens(engine, engine.new_cache(1, 80, 2), torch.tensor([5, 6]), 48, 2, params, stats, grammar=index)
         )
@@ -159,7 +160,7 @@ def test_bpe_vocab_outputs_fully_match(bpe_vocab) -> None:
     index = Grammar.from_json_schema(SCHEMA).index(bpe_vocab)
     for seed in range(2):
         stats = GenerationStats()
-        params = SamplingParams(1.0, 0, 1.0, seed)
+        params = SamplingParams(temperature=1.0, top_k=0, seed=seed)
         out = list(
             stream_tokens(engine, engine.new_cache(1, 240, 2), torch.tensor([5]), 200, 2, params, stats, grammar=index)
         )
@@ -173,7 +174,7 @@ def test_bpe_vocab_outputs_fully_match(bpe_vocab) -> None:
             torch.tensor([5]),
             30,
             SpecConfig(1, 4, 3),
-            SamplingParams(0.7, 0, 1.0, 1),
+            SamplingParams(temperature=0.7, top_k=0, seed=1),
             spec_stats,
             grammar=index,
         )

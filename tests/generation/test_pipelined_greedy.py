@@ -8,7 +8,8 @@ import torch
 
 from tinyloop.api.model import Model
 from tinyloop.runtime import generate as gen
-from tinyloop.runtime.generate import GenerationStats, SamplingParams, stream_tokens
+from tinyloop.runtime.generate import GenerationStats, stream_tokens
+from tinyloop.sampling import SamplingParams
 
 PROMPT = torch.tensor(list(b"Hello, looped world"), dtype=torch.long)
 GREEDY = SamplingParams(temperature=0.0)

@@ -68,7 +68,7 @@ def test_speculative_sampling_matches_the_verifier_end_to_end() -> None:
     cache = engine.new_cache(1, 16, verify)
     spec = SpecConfig(1, verify, 2, adaptive=False)
     for seed in range(500):
-        params = SamplingParams(temp, top_k, top_p, seed)
+        params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p, seed=seed)
         x1, x2, _ = speculative_tokens(engine, cache, prompt, 3, spec, params, stats)
         counts[keys.index((x1, x2))] += 1
     assert 0 < stats.accepted < stats.drafted  # both acceptance and rejection happened

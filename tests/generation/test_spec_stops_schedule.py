@@ -13,10 +13,11 @@ from tinyloop.cache.factory import KVModeChoice, make_cache
 from tinyloop.cache.kv import KVCache
 from tinyloop.model.layers import StepContext
 from tinyloop.runtime.depth_schedule import DepthSchedule
-from tinyloop.runtime.generate import GenerationStats, SamplingParams, stream_tokens
+from tinyloop.runtime.generate import GenerationStats, stream_tokens
 from tinyloop.runtime.speculative import SpecConfig, SpeculativeStats, speculative_tokens
+from tinyloop.sampling import SamplingParams
 
-GREEDY = SamplingParams(0.0)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 @pytest.fixture(scope="module")

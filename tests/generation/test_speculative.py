@@ -8,8 +8,9 @@ import torch
 from gen_helpers import PROMPTS, tiny_engine
 
 from tinyloop.api.model import Model
-from tinyloop.runtime.generate import SamplingParams, stream_tokens
+from tinyloop.runtime.generate import stream_tokens
 from tinyloop.runtime.speculative import SpecConfig, SpeculativeStats, speculative_tokens
+from tinyloop.sampling import SamplingParams
 
 PAIRS = [(1, 4), (2, 8)]
 
@@ -38,11 +39,13 @@ def test_greedy_identity_when_drafts_are_often_right(draft, verify, resume) -> N
     total = SpeculativeStats()
     for prompt in PROMPTS[1:3]:
         ids = torch.tensor(list(prompt))
-        plain = list(stream_tokens(engine, engine.new_cache(1, 128, verify), ids, 32, verify, SamplingParams(0.0)))
+        plain = list(
+            stream_tokens(engine, engine.new_cache(1, 128, verify), ids, 32, verify, SamplingParams(temperature=0.0))
+        )
         stats = SpeculativeStats()
         spec = SpecConfig(draft, verify, 4, adaptive=False, resume_verify=resume)
         cache = engine.new_cache(1, 128, verify)
-        got = list(speculative_tokens(engine, cache, ids, 32, spec, SamplingParams(0.0), stats))
+        got = list(speculative_tokens(engine, cache, ids, 32, spec, SamplingParams(temperature=0.0), stats))
         assert got == plain
         total.drafted += stats.drafted
         total.accepted += stats.accepted
@@ -58,9 +61,11 @@ def test_draft_ahead_beyond_what_is_left(model, max_tokens) -> None:
     np.testing.assert_array_equal(res.tokens, plain)
     engine = tiny_engine(contractive=0.0)  # every draft accepted: rounds end exactly at max_tokens
     ids = torch.tensor(prompt)
-    ref = list(stream_tokens(engine, engine.new_cache(1, 64, 4), ids, max_tokens, 4, SamplingParams(0.0)))
+    ref = list(stream_tokens(engine, engine.new_cache(1, 64, 4), ids, max_tokens, 4, SamplingParams(temperature=0.0)))
     spec = SpecConfig(1, 4, 8, adaptive=False)
-    got = list(speculative_tokens(engine, engine.new_cache(1, 64, 4), ids, max_tokens, spec, SamplingParams(0.0)))
+    got = list(
+        speculative_tokens(engine, engine.new_cache(1, 64, 4), ids, max_tokens, spec, SamplingParams(temperature=0.0))
+    )
     assert got == ref
 
 
@@ -70,7 +75,9 @@ def test_rollback_leaves_the_cache_as_plain_decoding_would() -> None:
     ids = torch.tensor(list(PROMPTS[0]))
     cache = engine.new_cache(1, 128, 8)
     stats = SpeculativeStats()
-    got = list(speculative_tokens(engine, cache, ids, 30, SpecConfig(2, 8, 4, False), SamplingParams(0.0), stats))
+    got = list(
+        speculative_tokens(engine, cache, ids, 30, SpecConfig(2, 8, 4, False), SamplingParams(temperature=0.0), stats)
+    )
     assert stats.accepted < stats.drafted  # some rounds were rolled back
     n = int(cache.lengths[0])
     assert n == len(ids) + len(got) - 1  # the last token is sampled, not yet stored

@@ -1,69 +1,32 @@
 """Model methods that reuse work across calls: prefix caches, prefix pools, warm start to a deeper L,
-and the KV mode the model's working cache uses."""
+and the KV mode's metadata."""
 
 from __future__ import annotations
 
-import hashlib
-import weakref
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
+from tinyloop.api.base import ModelBase
 from tinyloop.api.handles import CacheHandle, PrefixCache, ResumeHandle
 from tinyloop.api.tokens import as_token_array
 from tinyloop.cache.base import ModeCache, copy_out
-from tinyloop.cache.factory import KVModeChoice, kv_bytes_per_token, resolve_kv_mode
+from tinyloop.cache.factory import kv_bytes_per_token
 from tinyloop.cache.pool import PrefixPool
-from tinyloop.env import RuntimeEnv
-from tinyloop.format.header import ModelHeader
 from tinyloop.runtime.continuation import continue_tokens
-from tinyloop.runtime.engine import Engine
-from tinyloop.runtime.generate import GenerationStats, SamplingParams
+from tinyloop.runtime.generate import GenerationStats
+from tinyloop.sampling import SamplingParams
 
 H = TypeVar("H", bound=CacheHandle)
 
+# first(cache) makes the request's cache hold the whole sequence and returns the next-token logits [V].
+FirstLogits = Callable[[ModeCache | None], torch.Tensor]
 
-class CachingMixin:
-    """Needs `_engine`, `header`, `path`, `max_seq_len`, `_check_open`, `_tokens`, `_loops` and
-    `_generation_cache` from the Model, and `_init_caching` called by its constructor."""
 
-    _engine: Engine
-    header: ModelHeader
-    path: Path
-    max_seq_len: int
-    last_stats: GenerationStats
-    kv: KVModeChoice
-
-    def _check_open(self) -> None:
-        raise NotImplementedError
-
-    def _tokens(self, tokens: Any, name: str = "tokens") -> torch.Tensor:
-        raise NotImplementedError
-
-    def _loops(self, loops: int | None) -> int:
-        raise NotImplementedError
-
-    def _generation_cache(self, loops: int) -> ModeCache | None:
-        raise NotImplementedError
-
-    # ---- setup and metadata -------------------------------------------------------------------
-    def _init_caching(self, env: RuntimeEnv, kv_mode: str | None, cache_window: int | None) -> None:
-        self.kv = resolve_kv_mode(env, kv_mode, cache_window)
-        self._handles: weakref.WeakSet[CacheHandle] = weakref.WeakSet()
-        self._pools: weakref.WeakSet[PrefixPool] = weakref.WeakSet()
-        self._identity: str | None = None
-
-    def _release_handles(self) -> None:
-        for handle in list(self._handles):
-            handle._release("model")
-        for pool in list(self._pools):
-            pool.prune()
-
-    def _handle_bytes(self) -> int:
-        return sum(h.nbytes for h in list(self._handles))
+class CachingMixin(ModelBase):
+    """Prefix caches, prefix pools, warm starts and the KV mode's metadata."""
 
     @property
     def kv_mode(self) -> str:
@@ -75,22 +38,6 @@ class CachingMixin:
         """Positions a sliding-window cache keeps per slot (0: a full cache)."""
         return self.kv.window
 
-    @property
-    def cache_identity(self) -> str:
-        """What caches are valid for: the weights (config, quantization, checksums), the compute dtype and
-        the KV mode. Prefix caches, pools and resume handles only work with a model of the same identity."""
-        self._check_open()
-        if self._identity is None:
-            h = self.header
-            digest = hashlib.sha256(h.config.to_json().encode())
-            digest.update(f"{h.quantization.bits}/{h.quantization.group_size}".encode())
-            for name in sorted(h.checksums):
-                digest.update(f"{name}={h.checksums[name]};".encode())
-            dtype = str(self._engine.dtype).removeprefix("torch.")
-            label = h.config.name or self.path.stem
-            self._identity = f"{label}@{digest.hexdigest()[:16]}/{self.kv.describe()}/{dtype}"
-        return self._identity
-
     def kv_bytes_per_token(self, loops: int | None = None) -> int:
         """Cache bytes one token of context costs at `loops` in this model's KV mode (0 in mode 'none';
         a sliding window holds at most cache_window such tokens)."""
@@ -98,15 +45,6 @@ class CachingMixin:
         return kv_bytes_per_token(self.kv, self.header.config, self._loops(loops), self._engine.dtype)
 
     # ---- helpers ----------------------------------------------------------------------------------
-    def _working_cache(self, loops: int, what: str) -> ModeCache:
-        cache = self._generation_cache(loops)
-        if cache is None:
-            raise ValueError(
-                f"{what} needs a KV cache, but this model runs with kv_mode 'none' (TINYLOOP_DISABLE_KV_CACHE=1); "
-                "create the Model with another kv_mode"
-            )
-        return cache
-
     def _own(self, handle: H) -> H:
         self._handles.add(handle)
         return handle
@@ -122,28 +60,20 @@ class CachingMixin:
             )
         return handle
 
-    def _params(self, max_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> SamplingParams:
-        from tinyloop.api.model import _sampling
+    def _continue(self, sequence: torch.Tensor, first: FirstLogits, params: SamplingParams, what: str) -> Iterator[int]:
+        """Decode after a start state that `first` sets up in the request's own cache (taken on first next())."""
+        self._check_room(int(sequence.numel()), params.max_tokens)
+        self.last_stats = stats = GenerationStats()
+        engine = self._engine
+        loops = params.loops
+        assert loops is not None
 
-        return _sampling(max_tokens, temperature, top_k, top_p, seed)
+        def tokens() -> Iterator[int]:
+            with self._request_cache(loops, what=what) as cache:
+                yield from continue_tokens(engine, cache, sequence, lambda: first(cache), params.max_tokens,
+                                           loops, params, stats)  # fmt: skip
 
-    def _check_room(self, tokens: int, max_tokens: int) -> None:
-        if tokens + max_tokens > self.max_seq_len:
-            raise ValueError(
-                f"prompt ({tokens} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len {self.max_seq_len}"
-            )
-
-    def _stream(
-        self,
-        cache: ModeCache | None,
-        sequence: torch.Tensor,
-        first: Callable[[], torch.Tensor],
-        max_tokens: int,
-        loops: int,
-        params: SamplingParams,
-    ) -> Iterator[int]:
-        self.last_stats = GenerationStats()
-        return continue_tokens(self._engine, cache, sequence, first, max_tokens, loops, params, self.last_stats)
+        return tokens()
 
     def _run_prompt(self, ids: torch.Tensor, cache: ModeCache | None, loops: int) -> Any:
         if cache is not None:
@@ -158,10 +88,11 @@ class CachingMixin:
         self._check_open()
         ids = self._tokens(prefix, "prefix")
         n_loops = self._loops(loops)
-        cache = self._working_cache(n_loops, "build_prefix_cache")
-        out = self._run_prompt(ids, cache, n_loops)
-        kv = cache.snapshot(int(ids.numel()), n_loops)
-        logits = copy_out(out.logits[0, -1], "prefix logits")
+        with self._request_cache(n_loops, what="build_prefix_cache") as cache:
+            assert cache is not None
+            out = self._run_prompt(ids, cache, n_loops)
+            kv = cache.snapshot(int(ids.numel()), n_loops)
+            logits = copy_out(out.logits[0, -1], "prefix logits")
         return self._own(PrefixCache(self.cache_identity, ids.numpy(), n_loops, kv, logits))
 
     def _prefix_cache_from_tensors(self, tensors: dict[str, torch.Tensor], loops: int) -> PrefixCache:
@@ -194,23 +125,29 @@ class CachingMixin:
         suffix_ids = torch.from_numpy(
             as_token_array(raw, self.header.config.vocab_size, "suffix", allow_empty=True).astype(np.int64)
         )
-        params = self._params(max_tokens, temperature, top_k, top_p, seed)
+        params = self._params(max_tokens=max_tokens, loops=n_loops, temperature=temperature, top_k=top_k,
+                              top_p=top_p, seed=seed)  # fmt: skip
+        if self.kv.mode == "none":
+            raise ValueError(
+                "generate_from_prefix_cache needs a KV cache, but this model runs with kv_mode 'none' "
+                "(TINYLOOP_DISABLE_KV_CACHE=1); create the Model with another kv_mode"
+            )
         n = int(cache.tokens.size)
-        self._check_room(n + int(suffix_ids.numel()), max_tokens)
-        working = self._working_cache(n_loops, "generate_from_prefix_cache")
         kv, logits = cache.kv(), cache.last_logits()
         assert kv is not None
+        engine = self._engine
 
-        def first() -> torch.Tensor:
+        def first(working: ModeCache | None) -> torch.Tensor:
+            assert working is not None
             working.restore(kv, n, n_loops, n)
             if suffix_ids.numel() == 0:
                 return logits
-            out = self._engine.step(suffix_ids[None], working, n_loops, last_only=True)
+            out = engine.step(suffix_ids[None], working, n_loops, last_only=True)
             assert out.logits is not None
             return out.logits[0, -1]
 
         sequence = torch.cat((torch.from_numpy(cache.tokens.astype(np.int64)), suffix_ids))
-        return self._stream(working, sequence, first, max_tokens, n_loops, params)
+        return self._continue(sequence, first, params, "generate_from_prefix_cache")
 
     def generate_from_prefix_cache(
         self,
@@ -250,32 +187,45 @@ class CachingMixin:
         """generate_with_pool, one token id at a time."""
         self._check_open()
         ids = self._tokens(tokens, "tokens")
-        n_loops = self._loops(loops)
-        params = self._params(max_tokens, temperature, top_k, top_p, seed)
-        n = int(ids.numel())
-        self._check_room(n, max_tokens)
-        working = self._working_cache(n_loops, "generate_with_pool")
+        params = self._params(max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k,
+                              top_p=top_p, seed=seed)  # fmt: skip
+        n_loops = params.loops
+        assert n_loops is not None
+        what = "generate_with_pool"
+        if self.kv.mode == "none":
+            raise ValueError(
+                f"{what} needs a KV cache, but this model runs with kv_mode 'none' "
+                "(TINYLOOP_DISABLE_KV_CACHE=1); create the Model with another kv_mode"
+            )
+        self._check_room(int(ids.numel()), params.max_tokens)
         self._pools.add(pool)
-        match = pool.lookup(ids.numpy(), n_loops, self.cache_identity, working.can_use)
+        engine = self._engine
+        match = pool.lookup(ids.numpy(), n_loops, self.cache_identity, self._can_use)
         if match is None:
 
-            def first() -> torch.Tensor:
+            def first(working: ModeCache | None) -> torch.Tensor:
                 return self._run_prompt(ids, working, n_loops).logits[0, -1]
 
-            return self._stream(working, ids, first, max_tokens, n_loops, params)
+            return self._continue(ids, first, params, what)
         item = self._checked(match.item, PrefixCache)
         kv, logits, length, reuse = item.kv(), item.last_logits(), int(item.tokens.size), match.reuse
         assert kv is not None
 
-        def first_from_match() -> torch.Tensor:
+        def first_from_match(working: ModeCache | None) -> torch.Tensor:
+            assert working is not None
             working.restore(kv, length, n_loops, reuse)
             if match.exact:
                 return logits
-            out = self._engine.step(ids[None, reuse:], working, n_loops, last_only=True)
+            out = engine.step(ids[None, reuse:], working, n_loops, last_only=True)
             assert out.logits is not None
             return out.logits[0, -1]
 
-        return self._stream(working, ids, first_from_match, max_tokens, n_loops, params)
+        return self._continue(ids, first_from_match, params, what)
+
+    def _can_use(self, length: int, use: int) -> bool:
+        """Whether a snapshot of `length` tokens serves its first `use` exactly in this KV mode."""
+        window = min(self.kv.window, self.max_seq_len)
+        return 0 <= use <= length and (self.kv.mode != "window" or use == length or length <= window)
 
     def generate_with_pool(
         self,
@@ -299,10 +249,10 @@ class CachingMixin:
         self._check_open()
         ids = self._tokens(prompt, "prompt")
         n_loops = self._loops(loops)
-        cache = self._generation_cache(n_loops)
-        out = self._run_prompt(ids, cache, n_loops)
-        assert out.loop_state is not None and out.prelude_out is not None
-        kv = None if cache is None else cache.snapshot(int(ids.numel()), n_loops)
+        with self._request_cache(n_loops) as cache:
+            out = self._run_prompt(ids, cache, n_loops)
+            assert out.loop_state is not None and out.prelude_out is not None
+            kv = None if cache is None else cache.snapshot(int(ids.numel()), n_loops)
         return self._own(
             ResumeHandle(
                 self.cache_identity, ids.numpy(), n_loops, kv, copy_out(out.logits[0, -1], "resume logits"),
@@ -329,27 +279,27 @@ class CachingMixin:
                 f"resume_generate can only go deeper: the handle ran {handle.loops} loops and loops={n_loops} "
                 f"was asked; build a handle at loops={n_loops} (build_resume_handle) or call generate()"
             )
-        params = self._params(max_tokens, temperature, top_k, top_p, seed)
+        params = self._params(max_tokens=max_tokens, loops=n_loops, temperature=temperature, top_k=top_k,
+                              top_p=top_p, seed=seed)  # fmt: skip
         ids = torch.from_numpy(handle.tokens.astype(np.int64))
         n = int(ids.numel())
-        self._check_room(n, max_tokens)
-        working = self._generation_cache(n_loops)
         kv, logits, state = handle.kv(), handle.last_logits(), handle.state()
+        engine, start_loop = self._engine, handle.loops
 
-        def first() -> torch.Tensor:
+        def first(working: ModeCache | None) -> torch.Tensor:
             if working is not None:
                 assert kv is not None
-                working.restore(kv, n, handle.loops, n)
-            if n_loops == handle.loops:
+                working.restore(kv, n, start_loop, n)
+            if n_loops == start_loop:
                 return logits
-            out = self._engine.step(
+            out = engine.step(
                 ids[None], working, n_loops, start=torch.zeros(1, dtype=torch.long), resume=state,
-                start_loop=handle.loops, last_only=True,
+                start_loop=start_loop, last_only=True,
             )  # fmt: skip
             assert out.logits is not None
             return out.logits[0, -1]
 
-        return self._stream(working, ids, first, max_tokens, n_loops, params)
+        return self._continue(ids, first, params, "")
 
     def resume_generate(
         self,

@@ -37,28 +37,6 @@ def grammar_index(grammar: Any, vocab: TokenVocab, device: torch.device) -> Toke
     return grammar.index(vocab, device)
 
 
-def stop_token_set(stop_tokens: Any, vocab_size: int) -> frozenset[int]:
-    if stop_tokens is None:
-        return frozenset()
-    ids = [stop_tokens] if isinstance(stop_tokens, (int, np.integer)) else list(stop_tokens)
-    for t in ids:
-        if isinstance(t, bool) or not isinstance(t, (int, np.integer)) or not 0 <= t < vocab_size:
-            raise ValueError(f"stop_tokens must be token ids in [0, {vocab_size}), got {t!r}")
-    return frozenset(int(t) for t in ids)
-
-
-def stop_string_list(stop: Any) -> list[bytes]:
-    if stop is None:
-        return []
-    items = [stop] if isinstance(stop, (str, bytes)) else list(stop)
-    out = []
-    for s in items:
-        if not isinstance(s, (str, bytes)) or not s:
-            raise ValueError(f"stop must be non-empty strings (or bytes), got {s!r}")
-        out.append(s.encode("utf-8") if isinstance(s, str) else bytes(s))
-    return out
-
-
 def depth_schedule(l_warmup_tokens: Any, l_warmup_loops: Any, loops: int) -> DepthSchedule | None:
     for name, value, low in (("l_warmup_tokens", l_warmup_tokens, 0), ("l_warmup_loops", l_warmup_loops, 1)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tinyloop.runtime.engine import Engine
+from tinyloop.api.base import ModelBase
 from tinyloop.runtime.introspect import depth_logits, kl_divergence, stable_depth, trajectory
 
 
@@ -37,19 +37,8 @@ class ConsistencyScores:
     window: int
 
 
-class IntrospectionMixin:
-    """Needs `_engine`, `_check_open`, `_tokens` and `_loops` from the Model."""
-
-    _engine: Engine
-
-    def _check_open(self) -> None:
-        raise NotImplementedError
-
-    def _tokens(self, tokens: Any, name: str = "tokens") -> torch.Tensor:
-        raise NotImplementedError
-
-    def _loops(self, loops: int | None) -> int:
-        raise NotImplementedError
+class IntrospectionMixin(ModelBase):
+    """Scoring that looks inside the loop."""
 
     def _batch(self, tokens: Any) -> tuple[torch.Tensor, bool]:
         """tokens as [B, T]: a 1-D input is one sequence (results without a batch axis); a 2-D input

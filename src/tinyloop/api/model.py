@@ -9,34 +9,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from tinyloop import log
-from tinyloop.api.arguments import checked_loops, compute_dtype
+from tinyloop.api.base import MiB
 from tinyloop.api.caching import CachingMixin
-from tinyloop.api.decoding import (
-    depth_schedule,
-    finish_stream,
-    grammar_index,
-    model_vocab,
-    stop_string_list,
-    stop_token_set,
-)
+from tinyloop.api.decoding import depth_schedule, finish_stream, grammar_index, model_vocab
 from tinyloop.api.introspection import IntrospectionMixin
 from tinyloop.api.speculative import SpeculativeMixin
 from tinyloop.api.text import TextMixin
-from tinyloop.api.tokens import as_token_array
-from tinyloop.builtin import resolve_model
-from tinyloop.cache.base import ModeCache
-from tinyloop.cache.factory import make_cache
-from tinyloop.env import RuntimeEnv
-from tinyloop.errors import ModelClosedError
-from tinyloop.kernels import l2_residency
 from tinyloop.model.weights import weight_bytes
-from tinyloop.runtime.generate import GenerationStats, SamplingParams, stream_tokens
-from tinyloop.runtime.loader import load_engine, pick_device
+from tinyloop.runtime.generate import GenerationStats, stream_tokens
 from tinyloop.runtime.token_exit import report_token_exit, score_with_token_exit
-from tinyloop.stochastic.weight import CrossIterRound
-
-MiB = 1 << 20
+from tinyloop.sampling import SamplingParams
 
 
 class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
@@ -50,75 +32,11 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
     cross_iter_round: draw the looped INT4 weights afresh at each iteration from the file's rounding
     channels (tinyloop-add-sign-bit), reproducibly for `cross_iter_seed`; True refuses a file without
     channels; left None, TINYLOOP_CROSS_ITER_ROUND decides (and a file without channels runs as is).
+
+    Thread safety: each call (and each open stream) owns its sequence state and working cache; steps
+    of one model run one at a time (a lock), so calls from several threads and interleaved streams give
+    what each gives alone. `last_stats` is the most recent call's.
     """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        max_seq_len: int = 2048,
-        device: str | torch.device | None = None,
-        *,
-        dtype: torch.dtype | str | None = None,
-        kv_mode: str | None = None,
-        cache_window: int | None = None,
-        cross_iter_round: bool | None = None,
-        cross_iter_seed: int = 0,
-    ) -> None:
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0:
-            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
-        self._closed = True
-        self.path = resolve_model(path)
-        self.env = RuntimeEnv.read()
-        self._init_caching(self.env, kv_mode, cache_window)
-        self.device = pick_device(device)
-        dtype = compute_dtype(dtype, self.device)
-        round_on = self.env.cross_iter_round if cross_iter_round is None else bool(cross_iter_round)
-        rounding = CrossIterRound(cross_iter_seed, require_channels=cross_iter_round is True)
-        self.header, self._engine = load_engine(self.path, self.device, dtype, rounding if round_on else None)
-        cfg = self.header.config
-        if max_seq_len > cfg.max_position:
-            log.info(f"max_seq_len {max_seq_len} capped at the model's maximum position {cfg.max_position}")
-            max_seq_len = cfg.max_position
-        self.max_seq_len = max_seq_len
-        self._cache: ModeCache | None = None
-        self._closed = False
-        self.last_stats = GenerationStats()
-        q = self.header.quantization
-        log.info(
-            f"{self.path.name}: format {self.header.format_version_str}, {q.bits}-bit, d={cfg.d_model}, "
-            f"heads={cfg.n_heads}/{cfg.n_kv_heads}, layers={cfg.n_prelude}+{cfg.n_body}x L+{cfg.n_coda}, "
-            f"default L={cfg.default_loops}, vocab={cfg.vocab_size}, device={self.device}"
-        )
-        log.info(f"memory: weights {weight_bytes(self._engine.weights) / MiB:.1f} MiB on {self.device}")
-
-    # ---- lifecycle ------------------------------------------------------------------------
-    def __enter__(self) -> Model:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Free weights and caches; any later call raises RuntimeError('model was closed')."""
-        if not self._closed:
-            self._closed = True
-            self._cache = None
-            self._release_handles()
-            kept_in_l2 = self._engine.l2_window is not None
-            self._engine.close()
-            del self._engine
-            if self.device.type == "cuda":
-                if kept_in_l2:
-                    _release_l2_lines()
-                torch.cuda.empty_cache()
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ModelClosedError()
 
     # ---- metadata ---------------------------------------------------------------------------
     @property
@@ -139,8 +57,7 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
         total = weight_bytes(self._engine.weights) + self._engine.cos.nbytes + self._engine.sin.nbytes
         if self._engine.noise is not None:
             total += self._engine.noise.nbytes
-        if self._cache is not None:
-            total += self._cache.nbytes
+        total += self._cache_bytes()
         total += self._handle_bytes()
         # One decode step's live activations: hidden states, qkv, MLP, logits (float32 upper bound).
         total += 4 * (4 * cfg.d_model + cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.ffn_dim + cfg.vocab_size)
@@ -152,16 +69,6 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
             total += scratch.nbytes
         return total / MiB
 
-    # ---- argument checks ----------------------------------------------------------------------
-    def _loops(self, loops: int | None) -> int:
-        return checked_loops(loops, self.header.config)
-
-    def _tokens(self, tokens: Any, name: str = "tokens") -> torch.Tensor:
-        arr = as_token_array(tokens, self.header.config.vocab_size, name)
-        if arr.size > self.max_seq_len:
-            raise ValueError(f"{name} has {arr.size} tokens, more than max_seq_len {self.max_seq_len}")
-        return torch.from_numpy(arr.astype(np.int64))
-
     # ---- scoring ------------------------------------------------------------------------------
     def _score_logits(self, tokens: Any, loops: int | None, token_exit: int | None, last_only: bool) -> torch.Tensor:
         self._check_open()
@@ -171,7 +78,8 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
             raise ValueError(f"token_exit must be an integer >= 0 (0 disables it), got {token_exit!r}")
         if patience:
-            res = score_with_token_exit(self._engine, ids, n_loops, patience)
+            with self._engine.lock:
+                res = score_with_token_exit(self._engine, ids, n_loops, patience)
             if self.env.token_exit_verbose:
                 report_token_exit(res)
             return res.logits[-1:] if last_only else res.logits
@@ -192,15 +100,6 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
         return self._score_logits(tokens, loops, token_exit, last_only=True)[-1].float().cpu().numpy()
 
     # ---- generation ------------------------------------------------------------------------------
-    def _generation_cache(self, loops: int) -> ModeCache | None:
-        if self.kv.mode == "none":
-            return None
-        if self._cache is None or self._cache.loops < loops:
-            self._cache = None  # free the old buffers before allocating larger ones
-            cfg, engine = self.header.config, self._engine
-            self._cache = make_cache(self.kv, cfg, 1, self.max_seq_len, loops, engine.device, engine.dtype)
-        return self._cache
-
     def generate_stream(
         self,
         prompt: Any,
@@ -225,25 +124,34 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
         """
         self._check_open()
         ids = self._tokens(prompt, "prompt")
-        n_loops = self._loops(loops)
-        params = _sampling(max_tokens, temperature, top_k, top_p, seed)
-        if ids.numel() + max_tokens > self.max_seq_len:
-            raise ValueError(
-                f"prompt ({ids.numel()} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len {self.max_seq_len}"
-            )
-        cfg = self.header.config
-        stops = stop_token_set(stop_tokens, cfg.vocab_size)
-        stop_strings = stop_string_list(stop)
-        schedule = depth_schedule(l_warmup_tokens, l_warmup_loops, n_loops)
-        vocab = model_vocab(cfg, self._tokenizer_json()) if grammar is not None or stop_strings or text else None
-        index = grammar_index(grammar, vocab, self._engine.device) if vocab is not None else None
-        cache = self._generation_cache(n_loops)
-        self.last_stats = GenerationStats()
-        tokens = stream_tokens(
-            self._engine, cache, ids, max_tokens, n_loops, params, self.last_stats,
-            grammar=index, stop_tokens=stops, schedule=schedule,
+        params = self._params(
+            max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            stop_tokens=stop_tokens, stop=stop, grammar=grammar, l_warmup_tokens=l_warmup_tokens,
+            l_warmup_loops=l_warmup_loops,
         )  # fmt: skip
-        return finish_stream(tokens, vocab, stop_strings, bool(text), self.last_stats)
+        return self._stream(ids, params, bool(text))
+
+    def _stream(self, ids: torch.Tensor, params: SamplingParams, text: bool) -> Iterator[Any]:
+        """The token stream of one request (validated arguments); its cache is taken on the first next()."""
+        self._check_room(int(ids.numel()), params.max_tokens)
+        assert params.loops is not None
+        schedule = depth_schedule(params.l_warmup_tokens, params.l_warmup_loops, params.loops)
+        cfg = self.header.config
+        needs_vocab = params.grammar is not None or params.stop or text
+        vocab = model_vocab(cfg, self._tokenizer_json()) if needs_vocab else None
+        index = grammar_index(params.grammar, vocab, self._engine.device) if vocab is not None else None
+        self.last_stats = stats = GenerationStats()
+        engine = self._engine
+
+        def tokens() -> Iterator[int]:
+            assert params.loops is not None
+            with self._request_cache(params.loops) as cache:
+                yield from stream_tokens(
+                    engine, cache, ids, params.max_tokens, params.loops, params, stats,
+                    grammar=index, stop_tokens=params.stop_tokens, schedule=schedule,
+                )  # fmt: skip
+
+        return finish_stream(tokens(), vocab, list(params.stop), text, stats)
 
     def generate(
         self,
@@ -276,30 +184,6 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
         )  # fmt: skip
         return np.fromiter(stream, dtype=np.int32)
 
-    def _tokenizer_json(self) -> dict[str, Any] | None:
-        """The embedded tokenizer's tokenizer.json (None for byte models): the hook grammars and stop
-        strings use to map token ids to bytes."""
-        if self.header.config.tokenizer == "bytes" or not self.has_tokenizer:
-            return None
-        return self.tokenizer.meta.tokenizer_json
-
-    def _sampling_params(self, max_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> SamplingParams:
-        return _sampling(max_tokens, temperature, top_k, top_p, seed)
-
-
-def _sampling(max_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> SamplingParams:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
-        raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
-    if not isinstance(temperature, (int, float)) or not np.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
-    if not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-        raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}")
-    return SamplingParams(float(temperature), int(top_k), float(top_p), None if seed is None else int(seed))
-
 
 def load(
     path: str | os.PathLike[str],
@@ -320,10 +204,3 @@ def load(
 
 
 __all__ = ["Model", "load"]
-
-
-def _release_l2_lines() -> None:
-    try:
-        l2_residency.release_persisting_lines()
-    except l2_residency.DriverError as exc:
-        log.info(f"L2 residency: persisting lines not released on close ({exc})")

@@ -7,21 +7,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from tinyloop.api.arguments import checked_loops
-from tinyloop.api.decoding import (
-    depth_schedule,
-    finish_stream,
-    grammar_index,
-    model_vocab,
-    stop_string_list,
-    stop_token_set,
-)
-from tinyloop.cache.factory import KVModeChoice
-from tinyloop.format.header import ModelHeader
-from tinyloop.runtime.engine import Engine
-from tinyloop.runtime.generate import SamplingParams
+from tinyloop.api.base import ModelBase
+from tinyloop.api.decoding import depth_schedule, finish_stream, grammar_index, model_vocab
 from tinyloop.runtime.speculative import SpecConfig, SpeculativeStats, speculative_tokens
 
 
@@ -46,30 +35,10 @@ class SpeculativeResult:
         return self.stats.time_s
 
 
-class SpeculativeMixin:
-    """Needs `header`, `_engine`, `kv`, `max_seq_len`, `_check_open`, `_tokens`, `_generation_cache` and
-    `_sampling_params` from the Model."""
+class SpeculativeMixin(ModelBase):
+    """generate_speculative and its stream."""
 
-    header: ModelHeader
-    _engine: Engine
-    max_seq_len: int
-    kv: KVModeChoice
     last_speculative_stats: SpeculativeStats
-
-    def _check_open(self) -> None:
-        raise NotImplementedError
-
-    def _tokens(self, tokens: Any, name: str = "tokens") -> torch.Tensor:
-        raise NotImplementedError
-
-    def _generation_cache(self, loops: int) -> Any:
-        raise NotImplementedError
-
-    def _tokenizer_json(self) -> dict[str, Any] | None:
-        raise NotImplementedError
-
-    def _sampling_params(self, max_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> SamplingParams:
-        raise NotImplementedError
 
     def generate_speculative_stream(
         self,
@@ -95,11 +64,15 @@ class SpeculativeMixin:
         generate_stream); `last_speculative_stats` fills in as it runs. Closing the iterator ends generation."""
         self._check_open()
         ids = self._tokens(prompt, "prompt")
-        params = self._sampling_params(max_tokens, temperature, top_k, top_p, seed)
         for name, value in (("draft_loops", draft_loops), ("verify_loops", verify_loops), ("draft_ahead", draft_ahead)):
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         checked_loops(verify_loops, self.header.config, "verify_loops")
+        params = self._params(
+            max_tokens=max_tokens, loops=int(verify_loops), temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed, stop_tokens=stop_tokens, stop=stop, grammar=grammar, l_warmup_tokens=l_warmup_tokens,
+            l_warmup_loops=l_warmup_loops,
+        )  # fmt: skip
         if draft_loops >= verify_loops:
             raise ValueError(f"draft_loops ({draft_loops}) must be smaller than verify_loops ({verify_loops})")
         if ids.numel() + max_tokens > self.max_seq_len:
@@ -112,22 +85,26 @@ class SpeculativeMixin:
                 "rejected drafts are rolled back, but the ring has already overwritten the positions they "
                 "replaced; use cache_window=0"
             )
-        cfg = self.header.config
-        stops = stop_token_set(stop_tokens, cfg.vocab_size)
-        stop_strings = stop_string_list(stop)
-        schedule = depth_schedule(l_warmup_tokens, l_warmup_loops, int(verify_loops))
-        cache = self._generation_cache(int(verify_loops))
-        if cache is None:
+        if self.kv.mode == "none":
             raise ValueError("speculative decoding needs a KV cache (unset TINYLOOP_DISABLE_KV_CACHE / kv_mode 'none')")
-        vocab = model_vocab(cfg, self._tokenizer_json()) if grammar is not None or stop_strings or text else None
-        index = grammar_index(grammar, vocab, self._engine.device) if vocab is not None else None
+        cfg = self.header.config
+        schedule = depth_schedule(params.l_warmup_tokens, params.l_warmup_loops, int(verify_loops))
+        needs_vocab = params.grammar is not None or params.stop or text
+        vocab = model_vocab(cfg, self._tokenizer_json()) if needs_vocab else None
+        index = grammar_index(params.grammar, vocab, self._engine.device) if vocab is not None else None
         spec = SpecConfig(int(draft_loops), int(verify_loops), int(draft_ahead), bool(adaptive))
         self.last_speculative_stats = stats = SpeculativeStats()
-        tokens = speculative_tokens(
-            self._engine, cache, ids, int(max_tokens), spec, params, stats,
-            grammar=index, stop_tokens=stops, schedule=schedule,
-        )  # fmt: skip
-        return finish_stream(tokens, vocab, stop_strings, bool(text), stats)
+        engine = self._engine
+
+        def tokens() -> Iterator[int]:
+            with self._request_cache(spec.verify_loops) as cache:
+                assert cache is not None
+                yield from speculative_tokens(
+                    engine, cache, ids, params.max_tokens, spec, params, stats,
+                    grammar=index, stop_tokens=params.stop_tokens, schedule=schedule,
+                )  # fmt: skip
+
+        return finish_stream(tokens(), vocab, list(params.stop), bool(text), stats)
 
     def generate_speculative(
         self,

@@ -7,101 +7,23 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import torch
 
+from tinyloop.api.base import ModelBase
 from tinyloop.api.tokens import as_token_array
-from tinyloop.format.header import ModelHeader
-from tinyloop.format.tokenizer_meta import parse_tokenizer_meta
 from tinyloop.runtime.adaptive_exit import ExitCriterion, FamilyStats, stream_family
-from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.family_exit import ExitRule, check_supported, exit_logits
-from tinyloop.runtime.generate import SamplingParams
-from tinyloop.text.bytes import ByteTokenizer
-from tinyloop.text.tokenizer import EmbeddedTokenizer
+from tinyloop.sampling import SamplingParams
 
 
 def _exit_rule(exit_threshold: Any, exit_at_step: Any, weighted_exit: Any) -> ExitRule:
-    if exit_threshold is not None and (
-        isinstance(exit_threshold, bool) or not isinstance(exit_threshold, (int, float))
-    ):
-        raise ValueError(f"exit_threshold must be a number in [0, 1] or None, got {exit_threshold!r}")
-    if exit_at_step is not None and (isinstance(exit_at_step, bool) or not isinstance(exit_at_step, (int, np.integer))):
-        raise ValueError(f"exit_at_step must be an integer >= 0 or None, got {exit_at_step!r}")
-    return ExitRule(
-        None if exit_threshold is None else float(exit_threshold),
-        None if exit_at_step is None else int(exit_at_step),
-        bool(weighted_exit),
-    )
+    p = SamplingParams(exit_threshold=exit_threshold, exit_at_step=exit_at_step, weighted_exit=weighted_exit)
+    return ExitRule(p.exit_threshold, p.exit_at_step, p.weighted_exit)
 
 
-def _criterion(exit_criterion: Any, exit_tol: Any, min_loops: Any) -> ExitCriterion | None:
-    if exit_criterion is None:
-        if exit_tol is not None:
-            raise ValueError("exit_tol needs exit_criterion")
-        return None
-    if exit_tol is not None and (isinstance(exit_tol, bool) or not isinstance(exit_tol, (int, float))):
-        raise ValueError(f"exit_tol must be a number, got {exit_tol!r}")
-    return ExitCriterion(str(exit_criterion), None if exit_tol is None else float(exit_tol), min_loops)
+class TextMixin(ModelBase):
+    """Text in and out (the embedded tokenizer) and the looped families' exit mechanisms."""
 
-
-def _params(max_tokens: Any, temperature: Any, top_k: Any, top_p: Any, seed: Any) -> SamplingParams:
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)) or max_tokens < 0:
-        raise ValueError(f"max_tokens must be a non-negative integer, got {max_tokens!r}")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature >= 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 0:
-        raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
-    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
-        raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}")
-    return SamplingParams(float(temperature), int(top_k), float(top_p), None if seed is None else int(seed))
-
-
-class TextMixin:
-    """Needs `header`, `_engine`, `max_seq_len`, `_check_open`, `_tokens` and `_loops` from the Model."""
-
-    header: ModelHeader
-    _engine: Engine
-    max_seq_len: int
-    _text_tokenizer: EmbeddedTokenizer | None = None
     last_family_stats: FamilyStats | None = None
-
-    def _check_open(self) -> None:
-        raise NotImplementedError
-
-    def _tokens(self, tokens: Any, name: str = "tokens") -> torch.Tensor:
-        raise NotImplementedError
-
-    def _loops(self, loops: int | None) -> int:
-        raise NotImplementedError
-
-    # ---- tokenizer ------------------------------------------------------------------------------
-    @property
-    def has_tokenizer(self) -> bool:
-        return "tokenizer" in self.header.metadata
-
-    @property
-    def tokenizer(self) -> EmbeddedTokenizer:
-        """The embedded tokenizer (ValueError when the file has none)."""
-        self._check_open()
-        if self._text_tokenizer is None:
-            text = self.header.metadata.get("tokenizer")
-            if text is None:
-                raise ValueError(
-                    "this model has no embedded tokenizer; convert it from a folder with tokenizer.json, "
-                    "or pass token ids"
-                )
-            meta = parse_tokenizer_meta(text, self.header.config.vocab_size)
-            self._text_tokenizer = EmbeddedTokenizer(meta, self.header.config.vocab_size)
-        return self._text_tokenizer
-
-    def _text_codec(self) -> EmbeddedTokenizer | ByteTokenizer:
-        """The embedded tokenizer, or for a byte-level model without one its bytes as UTF-8."""
-        if self.header.config.tokenizer == "bytes" and not self.has_tokenizer:
-            self._check_open()
-            return ByteTokenizer()
-        return self.tokenizer
 
     def encode(self, text: str, add_bos: bool | None = None) -> np.ndarray:
         """Token ids (np.int32) of `text` with the embedded tokenizer (bos as the model's tokenizer says);
@@ -167,10 +89,17 @@ class TextMixin:
         """
         self._check_open()
         ids = self._tokens(prompt, "prompt")
-        n = self._loops(loops)
-        params = _params(max_tokens, temperature, top_k, top_p, seed)
-        rule = _exit_rule(exit_threshold, exit_at_step, weighted_exit)
-        crit = _criterion(exit_criterion, exit_tol, min_loops)
+        params = self._params(
+            max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            exit_threshold=exit_threshold, exit_at_step=exit_at_step, weighted_exit=weighted_exit,
+            exit_criterion=exit_criterion, exit_tol=exit_tol, min_loops=min_loops,
+        )  # fmt: skip
+        n = params.loops
+        assert n is not None
+        rule = ExitRule(params.exit_threshold, params.exit_at_step, params.weighted_exit)
+        crit = None
+        if params.exit_criterion is not None:
+            crit = ExitCriterion(params.exit_criterion, params.exit_tol, params.min_loops)
         if ids.numel() + int(max_tokens) > self.max_seq_len:
             raise ValueError(
                 f"prompt ({ids.numel()} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len {self.max_seq_len}"

@@ -10,8 +10,9 @@ import torch
 
 from tinyloop.cache.base import StepCache
 from tinyloop.runtime.engine import Engine
-from tinyloop.runtime.generate import GenerationStats, SamplingParams
+from tinyloop.runtime.generate import GenerationStats
 from tinyloop.runtime.sampling import sample_next
+from tinyloop.sampling import SamplingParams
 
 
 def continue_tokens(

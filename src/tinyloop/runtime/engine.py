@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -11,6 +12,7 @@ import torch
 from tinyloop.cache.base import StepCache
 from tinyloop.cache.kv import KVCache
 from tinyloop.config import ArchConfig
+from tinyloop.errors import ModelClosedError
 from tinyloop.model.layers import KVStore, StepContext, rope_tables
 from tinyloop.model.looped import ForwardOutput, forward, state_noise_table
 from tinyloop.model.weights import ModelWeights
@@ -59,10 +61,14 @@ class Engine:
         self.cos, self.sin = rope_tables(cfg, cfg.max_position, device)
         self.noise = state_noise_table(cfg, device)
         self.decoder: Decoder | None = select_decoder(self)
+        # Steps run one at a time: the decoders keep per-batch-size workspaces between steps.
+        self.lock = threading.RLock()
+        self.closed = False
 
     def close(self) -> None:
         """Releases the decoder's graphs and scratch now and drops the decoder, whose reference back to this
         engine would otherwise keep the weights alive until Python's cyclic collector runs."""
+        self.closed = True
         decoder, self.decoder = self.decoder, None
         if decoder is not None:
             decoder.release()
@@ -78,7 +84,6 @@ class Engine:
             mask = (span[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, S]
         return StepContext(positions, self.cos[positions], self.sin[positions], mask, cache)
 
-    @torch.inference_mode()
     def step(
         self,
         tokens: torch.Tensor,
@@ -98,7 +103,25 @@ class Engine:
         whole sequence from position 0). `start` ([B]) places them at other positions instead, e.g. to
         recompute positions already in the cache deeper: with resume=(loop_state, prelude_out) and
         start_loop=k only iterations k..loops-1, the coda and the head run (warm start, verification).
+        Thread-safe (steps are serialised); raises ModelClosedError once the engine is closed.
         """
+        with self.lock, torch.inference_mode():
+            if self.closed:
+                raise ModelClosedError()
+            return self._step(tokens, cache, loops, valid, last_only, collect_states, start, resume, start_loop)
+
+    def _step(
+        self,
+        tokens: torch.Tensor,
+        cache: StepCache | None,
+        loops: int,
+        valid: torch.Tensor | None,
+        last_only: bool,
+        collect_states: bool,
+        start: torch.Tensor | None,
+        resume: tuple[torch.Tensor, torch.Tensor] | None,
+        start_loop: int,
+    ) -> ForwardOutput:
         B, T = tokens.shape
         valid_cpu = torch.full((B,), T, dtype=torch.long) if valid is None else valid.to("cpu", torch.long)
         if start is None:

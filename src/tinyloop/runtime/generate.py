@@ -10,23 +10,12 @@ import torch
 
 from tinyloop.cache.base import StepCache
 from tinyloop.cache.kv import KVCache
+from tinyloop.errors import NonFiniteLogitsError
 from tinyloop.grammar.index import TokenIndex
 from tinyloop.runtime.depth_schedule import DepthSchedule, fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.sampling import sample_next
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.8
-    top_k: int = 50
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def generator(self) -> torch.Generator | None:
-        if self.seed is None:
-            return None
-        return torch.Generator().manual_seed(self.seed)
+from tinyloop.sampling import SamplingParams
 
 
 @dataclass
@@ -181,20 +170,22 @@ def _decode_pipelined(
             event.record()
             ready.append(event)
 
-    next_token = logits[0, -1:].argmax(-1)
+    next_token = _argmax_or_flag(logits[0, -1:])
     queue_readback(0, next_token)
     prompt_len = int(cache.lengths[0])
     t1 = time.perf_counter()
     try:
         for step in range(max_tokens):
             if step + 1 < max_tokens:  # queue step + 1 before waiting for token `step`
-                logits = engine.step(next_token.view(1, 1), cache, loops, last_only=True).logits
+                logits = engine.step(next_token.clamp(min=0).view(1, 1), cache, loops, last_only=True).logits
                 assert logits is not None
-                next_token = logits[0, -1:].argmax(-1)
+                next_token = _argmax_or_flag(logits[0, -1:])
                 queue_readback(step + 1, next_token)
             if on_gpu:
                 ready[step].synchronize()
             token = int(host[step])
+            if token < 0:
+                raise NonFiniteLogitsError()
             if step == 0:
                 stats.prefill_s = time.perf_counter() - t0
                 t1 = time.perf_counter()
@@ -212,6 +203,12 @@ def _decode_pipelined(
         n = stats.generated_tokens
         keep = n if stats.stop_reason == "stop_token" else max(n - 1, 0)
         cache.truncate(min(prompt_len + keep, int(cache.lengths[0])))
+
+
+def _argmax_or_flag(logits: torch.Tensor) -> torch.Tensor:
+    """argmax of logits [1, V] on the device, or -1 when they hold NaN or +inf (read by the host later)."""
+    bad = torch.isnan(logits).any() | torch.isposinf(logits).any()
+    return torch.where(bad, torch.full((1,), -1, device=logits.device), logits.argmax(-1))
 
 
 class TokenPicker:

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from tinyloop.errors import NonFiniteLogitsError
+
 
 def sample_next(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator | None
 ) -> int:
-    """One token id from logits [V]. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters."""
+    """One token id from logits [V]. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters.
+
+    Raises NonFiniteLogitsError on NaN or inf logits (a forbidden token's -inf is fine)."""
+    if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
+        raise NonFiniteLogitsError()
     if temperature == 0.0:
         return int(torch.argmax(logits))
     return int(torch.multinomial(filtered_probs(logits, temperature, top_k, top_p), 1, generator=generator))

@@ -30,10 +30,11 @@ from tinyloop.cache.base import StepCache
 from tinyloop.grammar.index import TokenIndex
 from tinyloop.runtime.depth_schedule import DepthSchedule, fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
-from tinyloop.runtime.generate import GenerationStats, SamplingParams, TokenPicker, stream_tokens
+from tinyloop.runtime.generate import GenerationStats, TokenPicker, stream_tokens
 from tinyloop.runtime.sampling import filtered_probs
 from tinyloop.runtime.spec_accept import accept_draft, normalized
 from tinyloop.runtime.spec_policy import DraftPolicy
+from tinyloop.sampling import SamplingParams
 
 # The adaptive policy's first estimate of the acceptance rate comes from the prefill when its logits at
 # every prompt position (prompt length x vocabulary) stay within this many values; else from a probe round.
