@@ -78,7 +78,7 @@ MATVEC_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 # The same for the blocked-layout INT4 GEMV: (N, K, rows) -> (BLOCK_N, blocks per tile, num_warps).
 BLOCKED_CONFIGS: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 # One-row (decode) tiles of the blocked GEMV for d_model 2048 / ffn 5632 matrices (seed-407m, Ouro-1.4B),
-# (N, K) -> tile, chosen in the model's own kernel chain (bench/gpu_suite.py chain_tiles: coordinate descent,
+# (N, K) -> tile, chosen in the model's own kernel chain (a coordinate-descent sweep, in git history of the bench,
 # each matrix's tile timed as seed-407m's decode of 64 tokens at 8 loops after a 128-token prompt; H200,
 # confirmed by a second run): alone, one shape timed back to
 # back, most tiles tie within a few percent, but within a decode step, where each GEMV follows a different
@@ -114,7 +114,7 @@ GLUON_TILES: dict[tuple[int, int, int], tuple[int, int, int, int, int]] = {}
 
 
 # One-row tiles of the Gluon GEMV for d_model 2048 / ffn 5632 matrices (seed-407m, Ouro-1.4B), chosen in the
-# model's own kernel chain (bench/gpu_suite.py gluon_chain: coordinate descent, seed-407m decode of 64 tokens at
+# model's own kernel chain (a coordinate-descent sweep, in git history of the bench: seed-407m decode of 64 tokens at
 # 8 loops after a 128-token prompt; H200): 82.1 ms with the tiles that won
 # alone (qkv and gate / up (4, 1, 1, 1, 1)) -> 76.1 ms. Alone, back to back under PDL, one
 # kernel's prologue overlaps the previous one's tail, which flatters tiles with few, large programs.
@@ -185,7 +185,7 @@ GLUON_LAUNCH_DEPENDENTS = "after_wait"
 # The (N, K, act) shapes that take the staged GEMV where it is on; None: every shape its plan applies to.
 # H200, seed-407m, 64 raw decode steps at 8 loops, split attention on: QKV and gate / up staged
 # 75.0-75.3 ms against 76.3-76.7 with none (fresh models alternated three times, identical tokens); all four
-# 75.2-75.4, QKV alone 79.7-79.9 (bench/gpu_suite.py staged_policy). Other shapes: not measured, so not
+# 75.2-75.4, QKV alone 79.7-79.9. Other shapes: not measured, so not
 # staged (the decode chain is where alone-timings mislead).
 STAGED_SHAPES: frozenset[tuple[int, int, int]] | None = frozenset({(6144, 2048, 0), (5632, 2048, 1)})
 # (rows per thread, warps, register cap or 0) of the staged GEMV: rows per thread x warps = TILE_ROWS. The
@@ -341,7 +341,7 @@ def _blocked_config(n: int, k: int, rows: int) -> tuple[int, int, int]:
         return BLOCKED_CONFIGS[(n, k, rows)]
     if rows == 1 and (n, k) in BLOCKED_TILES:
         return BLOCKED_TILES[(n, k)]
-    # Winners of bench/gpu_suite.py's sweeps on an H200 (seed-407m shapes; docs/BENCHMARKS.md).
+    # Winners of tile sweeps on an H200 (seed-407m shapes).
     if rows == 1:
         if n >= 16384:
             return 8, 8, 4  # the vocabulary head
@@ -352,7 +352,7 @@ def _blocked_config(n: int, k: int, rows: int) -> tuple[int, int, int]:
 def _gemm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int]:
     if (n, k, rows) in GEMM_CONFIGS:
         return GEMM_CONFIGS[(n, k, rows)]
-    # Winners of bench/gpu_suite.py's gemm sweep on an H200 at 5-16 rows (seed-407m shapes).
+    # Winners of a tile sweep on an H200 at 5-16 rows (seed-407m shapes).
     block_m = 16 if rows <= 16 else 64
     return (32, block_m, 256, 4) if n <= 2048 and k <= 2048 else (64, block_m, 128, 4)
 
@@ -361,7 +361,7 @@ def _int4_gemm_config(n: int, k: int, rows: int) -> tuple[int, int, int, int, in
     bucket = triton.next_power_of_2(rows)
     if (n, k, bucket) in INT4_GEMM_CONFIGS:
         return INT4_GEMM_CONFIGS[(n, k, bucket)]
-    # The most frequent winner of bench/gpu_suite.py's int4_gemm sweep (H200, seed-407m shapes, 32-128 rows,
+    # The most frequent winner of a tile sweep (H200, seed-407m shapes, 32-128 rows,
     # all four shapes): 64 weight rows x 128 columns per step, 4 warps, 3 stages, K split in four.
     return 64, min(128, max(16, bucket)), 128, 4, 3, 4
 

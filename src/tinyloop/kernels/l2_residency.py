@@ -23,7 +23,7 @@ ALIGN = 256
 PARTIAL_WINDOW = False
 # Give the persisting share (and its lines) up before each prefill-sized step and take it back before the next
 # windowed decode graph (runtime/fused_decode.py), so that a prefill's GEMMs get all of L2. Off: not measured yet
-# (bench/gpu_suite.py --only l2 times it as "on+share_off"). Releasing only the persisting lines before each
+# (the L2 A/B that would time it is in the git history of bench/gpu_suite.py). Releasing only the lines before each
 # prefill did not help (H200: one-body seed-407m prefill 128 in 1.63 ms against 1.60 with the lines
 # kept and 1.49 with L2 residency off), which points at the share itself.
 SHARE_OFF_DURING_PREFILL = False
