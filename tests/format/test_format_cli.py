@@ -54,12 +54,15 @@ def test_inspect_json(format_files: dict[str, Path], capsys: pytest.CaptureFixtu
     rows = {r["seq_len"]: r for r in report["buffers"]["per_seq_len"]}
     assert sorted(rows) == [100, 512, 2048, 8192]
     slots = cfg.n_cache_slots(cfg.default_loops)
-    assert rows[2048]["kv_bytes"]["fp16"] == slots * 2048 * 2 * cfg.kv_dim * 2
-    assert rows[2048]["kv_bytes"]["int8"] == slots * 2048 * 2 * (cfg.kv_dim + 2 * cfg.n_kv_heads)
-    assert rows[2048]["kv_bytes"]["sliding-512"] == rows[512]["kv_bytes"]["fp16"]
-    assert rows[100]["kv_bytes"]["sliding-512"] == rows[100]["kv_bytes"]["fp16"]
-    assert rows[2048]["kv_bytes"]["hidden"] == slots * 2048 * cfg.d_model * 2
-    assert rows[2048]["kv_bytes"]["none"] == 0
+    # d_model 64: float32 on CUDA as on the CPU (4 bytes per value)
+    assert report["buffers"]["kv_dtype"] == {"cpu": "float32", "cuda": "float32"}
+    for kv in (rows[2048]["kv_bytes"]["cpu"], rows[2048]["kv_bytes"]["cuda"]):
+        assert kv["dense"] == slots * 2048 * 2 * cfg.kv_dim * 4
+        assert kv["int8"] == slots * 2048 * 2 * (cfg.kv_dim + 2 * cfg.n_kv_heads)
+        assert kv["window-512"] == rows[512]["kv_bytes"]["cpu"]["dense"]
+        assert kv["hidden"] == slots * 2048 * cfg.d_model * 4
+        assert kv["none"] == 0
+    assert rows[100]["kv_bytes"]["cpu"]["window-512"] == rows[100]["kv_bytes"]["cpu"]["dense"]
     assert report["compression_vs_fp16"] > 3
 
 
@@ -67,6 +70,7 @@ def test_inspect_text_and_errors(format_files: dict[str, Path], tmp_path: Path, 
     assert run_inspect(str(format_files["8"]), []) == 0
     out = capsys.readouterr().out
     assert "tinyloop 1.0" in out and "INT8" in out and "d_model 64" in out and "8192" in out
+    assert "CPU and CUDA: float32" in out
     bad = tmp_path / "bad.tinyloop"
     bad.write_bytes(b"\0" * 20)
     assert run_inspect(str(bad), []) == 1
@@ -78,7 +82,7 @@ def test_inspect_text_and_errors(format_files: dict[str, Path], tmp_path: Path, 
 
 def test_kv_modes_unknown() -> None:
     with pytest.raises(ValueError):
-        kv_bytes(preset("test-tiny"), "fp8", 10, 1)
+        kv_bytes(preset("test-tiny"), "fp8", 10, 1, 4)
 
 
 def test_inspect_reads_only_the_header_of_a_sparse_407m_file(tmp_path: Path) -> None:
@@ -101,6 +105,24 @@ def test_inspect_reads_only_the_header_of_a_sparse_407m_file(tmp_path: Path) -> 
     assert report["parameters"] == parameter_count(cfg)
     assert report["weight_bytes"] == plan.data_bytes
     assert report["buffers"]["kv_slots"] == cfg.n_cache_slots(8)
+    # d_model 2048: bfloat16 on CUDA, float32 on the CPU (twice the bytes)
+    row = report["buffers"]["per_seq_len"][0]["kv_bytes"]
+    assert report["buffers"]["kv_dtype"] == {"cpu": "float32", "cuda": "bfloat16"}
+    assert row["cpu"]["dense"] == 2 * row["cuda"]["dense"] and row["cpu"]["int8"] == row["cuda"]["int8"]
+
+
+def test_inspect_kv_estimate_is_what_a_cpu_run_allocates(format_files: dict[str, Path], capsys) -> None:
+    import tinyloop
+    from tinyloop.cli import inspect_cmd
+    from tinyloop.runtime import loader
+
+    assert inspect_cmd.FLOAT32_MAX_WIDTH == loader.FLOAT32_MAX_WIDTH
+    assert run_inspect(str(format_files["4"]), ["--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["buffers"]["per_seq_len"][0]
+    cfg = preset("test-tiny")
+    for mode, kv_mode in (("dense", "16bit"), ("int8", "int8"), ("hidden", "hidden")):
+        with tinyloop.Model(format_files["4"], device="cpu", kv_mode=kv_mode) as m:
+            assert row["kv_bytes"]["cpu"][mode] == row["seq_len"] * m.kv_bytes_per_token(cfg.default_loops)
 
 
 def test_verify(format_files: dict[str, Path], tmp_path: Path, capsys) -> None:

@@ -119,6 +119,11 @@ def render(result: BenchmarkResult) -> str:
     ]
     if result.switches:
         lines.append("switches: " + ", ".join(f"{k}={v}" for k, v in result.switches.items()))
+    if result.not_applied:
+        lines.append(
+            "not applied by benchmark (it times the forward pass and a 16-bit cached decode): "
+            + ", ".join(result.not_applied)
+        )
     if result.segments:
         total = sum(s.median_ms for s in result.segments.values())
         lines.append(f"segments (median of {b.repeat} runs, device synchronised between segments):")

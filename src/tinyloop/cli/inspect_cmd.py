@@ -15,7 +15,12 @@ from tinyloop.layout import model_specs, parameter_count
 
 SEQ_LENS = (512, 2048, 8192)
 SLIDING_WINDOW = 512
-KV_MODES = ("fp16", "int8", f"sliding-{SLIDING_WINDOW}", "hidden", "none")
+# "dense": the full cache (kv_mode '16bit'), stored like "window" and "hidden" in the run's compute dtype.
+KV_MODES = ("dense", "int8", f"window-{SLIDING_WINDOW}", "hidden", "none")
+# runtime.loader.FLOAT32_MAX_WIDTH, repeated so that inspect imports no torch: CUDA computes (and caches)
+# in float32 up to this width, else bfloat16; the CPU always in float32.
+FLOAT32_MAX_WIDTH = 1024
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def parse_or_exit_code(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
@@ -68,19 +73,24 @@ def attention_score_bytes(cfg: ArchConfig, seq_len: int) -> int:
     return cfg.n_heads * seq_len * seq_len * 4
 
 
-def kv_bytes(cfg: ArchConfig, mode: str, seq_len: int, loops: int) -> int:
-    """KV-cache bytes at batch 1 for one cache mode."""
+def kv_dtypes(cfg: ArchConfig) -> dict[str, str]:
+    """The dtype a run stores its KV cache in, by device, when --dtype is left at auto."""
+    return {"cpu": "float32", "cuda": "float32" if cfg.d_model <= FLOAT32_MAX_WIDTH else "bfloat16"}
+
+
+def kv_bytes(cfg: ArchConfig, mode: str, seq_len: int, loops: int, element_bytes: int = 2) -> int:
+    """KV-cache bytes at batch 1 for one cache mode, dense values of `element_bytes` each."""
     slots = cfg.n_cache_slots(loops)
-    if mode == "fp16":
-        return slots * seq_len * 2 * cfg.kv_dim * 2
+    if mode == "dense":
+        return slots * seq_len * 2 * cfg.kv_dim * element_bytes
     if mode == "int8":
         # INT8 K and V plus one FP16 scale per head per token for each.
         return slots * seq_len * 2 * (cfg.kv_dim + 2 * cfg.n_kv_heads)
-    if mode.startswith("sliding-"):
-        return slots * min(seq_len, int(mode.split("-", 1)[1])) * 2 * cfg.kv_dim * 2
+    if mode.startswith("window-"):
+        return slots * min(seq_len, int(mode.split("-", 1)[1])) * 2 * cfg.kv_dim * element_bytes
     if mode == "hidden":
-        # Stores the normalised attention input (d_model wide, FP16) and recomputes K and V.
-        return slots * seq_len * cfg.d_model * 2
+        # Stores the normalised attention input (d_model wide) and recomputes K and V.
+        return slots * seq_len * cfg.d_model * element_bytes
     if mode == "none":
         return 0
     raise ValueError(f"unknown KV mode {mode!r}")
@@ -95,6 +105,7 @@ def describe(header: ModelHeader, seq_lens: list[int]) -> dict[str, Any]:
         kinds["vector" if spec.role == "vector" else quant.tensors[spec.name].kind] += 1
     params = parameter_count(cfg)
     loops = cfg.default_loops
+    dtypes = kv_dtypes(cfg)
     return {
         "file": header.path,
         "file_bytes": header.file_size,
@@ -141,12 +152,16 @@ def describe(header: ModelHeader, seq_lens: list[int]) -> dict[str, Any]:
             "batch": 1,
             "loops": loops,
             "kv_slots": cfg.n_cache_slots(loops),
+            "kv_dtype": dtypes,
             "per_seq_len": [
                 {
                     "seq_len": t,
                     "activation_bytes": activation_bytes(cfg, t),
                     "attention_score_bytes": attention_score_bytes(cfg, t),
-                    "kv_bytes": {mode: kv_bytes(cfg, mode, t, loops) for mode in KV_MODES},
+                    "kv_bytes": {
+                        device: {mode: kv_bytes(cfg, mode, t, loops, DTYPE_BYTES[dtype]) for mode in KV_MODES}
+                        for device, dtype in dtypes.items()
+                    },
                 }
                 for t in seq_lens
             ],
@@ -189,11 +204,17 @@ def render(r: dict[str, Any]) -> str:
         f"buffers       batch 1, {b['loops']} loops, {b['kv_slots']} KV slots "
         "(activations: one prefill pass; scores: one layer, FP32, if materialised)",
     ]
+    cpu, cuda = b["kv_dtype"]["cpu"], b["kv_dtype"]["cuda"]
+    both = cpu == cuda
+    where = f"CPU and CUDA: {cpu}" if both else f"CUDA: {cuda}; the CPU stores {cpu}, in the last column"
+    lines.append(f"KV cache      dense, window and hidden modes in the run's dtype ({where}; --dtype changes it)")
     header = ["seq len", "activations", "attn scores"] + [f"kv {mode}" for mode in KV_MODES]
+    header += [] if both else ["kv dense CPU"]
     rows = [header]
     for row in b["per_seq_len"]:
         cells = [str(row["seq_len"]), human_bytes(row["activation_bytes"]), human_bytes(row["attention_score_bytes"])]
-        cells += [human_bytes(row["kv_bytes"][mode]) for mode in KV_MODES]
+        cells += [human_bytes(row["kv_bytes"]["cuda"][mode]) for mode in KV_MODES]
+        cells += [] if both else [human_bytes(row["kv_bytes"]["cpu"]["dense"])]
         rows.append(cells)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     for cells in rows:

@@ -110,6 +110,7 @@ class BenchmarkResult:
     warmup: bool
     forward: Latency
     switches: dict[str, Any] = field(default_factory=dict)  # TINYLOOP_* settings in effect (non-default)
+    not_applied: list[str] = field(default_factory=list)  # TINYLOOP_* variables set that this run ignores
     decode: DecodeResult | None = None
     segments: dict[str, Latency] = field(default_factory=dict)  # profile mode, in execution order
     work: dict[str, float] = field(default_factory=dict)  # profile mode: ms of attention / matrix / other
@@ -138,6 +139,7 @@ class BenchmarkResult:
             "profile": b.profile,
             "warmup": self.warmup,
             "switches": dict(self.switches),
+            "not_applied": list(self.not_applied),
             "forward": {**asdict(self.forward), "tokens_per_s": self.forward_tokens_per_s},
             "decode": None,
         }
@@ -157,6 +159,11 @@ class BenchmarkResult:
 
 
 # ---- measuring ----------------------------------------------------------------------------------
+
+
+# RuntimeEnv switches the benchmark does not apply: its decode timing uses the engine's own 16-bit cache
+# (not the Model's KV mode), and its forward scoring runs every loop (no token-stable early exit).
+NOT_APPLIED = ("disable_kv_cache", "kv_int8", "kv_h_mode", "token_exit", "token_exit_verbose")
 
 
 def synthetic_tokens(vocab_size: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -312,8 +319,10 @@ def run_benchmark(engine: Engine, header: ModelHeader, bench: BenchmarkConfig) -
         config=bench,
         warmup=warmup,
         forward=Latency.of(times),
-        switches={k: v for k, v in asdict(RuntimeEnv.read()).items() if v},
     )
+    set_switches = {k: v for k, v in asdict(RuntimeEnv.read()).items() if v}
+    result.switches = {k: v for k, v in set_switches.items() if k not in NOT_APPLIED}
+    result.not_applied = [f"TINYLOOP_{k.upper()}" for k in set_switches if k in NOT_APPLIED]
     if bench.profile:
         result.segments = {name: Latency.of([run[name] for run in segment_runs]) for name in segment_runs[0]}
         result.work = work_split(engine, tokens, bench.loops)
