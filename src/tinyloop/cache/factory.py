@@ -14,6 +14,7 @@ from tinyloop.cache.memory import check_host_memory
 from tinyloop.cache.window import WindowKVCache
 from tinyloop.config import ArchConfig
 from tinyloop.env import RuntimeEnv
+from tinyloop.log import detail
 
 KV_MODES = ("16bit", "int8", "window", "hidden", "none")
 
@@ -94,10 +95,19 @@ def make_cache(
         return None
     tokens = min(max_seq, choice.window) if choice.mode == "window" else max_seq
     check_host_memory(device, batch * tokens * kv_bytes_per_token(choice, cfg, loops, dtype, storage_dtype))
+    cache: ModeCache
     if choice.mode == "16bit":
-        return DenseKVCache(cfg, batch, max_seq, loops, device, dtype, storage_dtype)
-    if choice.mode == "int8":
-        return Int8KVCache(cfg, batch, max_seq, loops, device, dtype)
-    if choice.mode == "hidden":
-        return HiddenStateCache(cfg, batch, max_seq, loops, device, dtype)
-    return WindowKVCache(cfg, batch, max_seq, loops, device, dtype, min(choice.window, max_seq))
+        cache = DenseKVCache(cfg, batch, max_seq, loops, device, dtype, storage_dtype)
+    elif choice.mode == "int8":
+        cache = Int8KVCache(cfg, batch, max_seq, loops, device, dtype)
+    elif choice.mode == "hidden":
+        cache = HiddenStateCache(cfg, batch, max_seq, loops, device, dtype)
+    else:
+        cache = WindowKVCache(cfg, batch, max_seq, loops, device, dtype, min(choice.window, max_seq))
+    stored = storage_dtype or dtype
+    detail(
+        f"allocated a {choice.mode} KV cache: {cfg.n_cache_slots(loops)} slots (loops {loops}) x {tokens} positions "
+        f"x batch {batch}, {'int8' if choice.mode == 'int8' else str(stored).removeprefix('torch.')}, "
+        f"{cache.nbytes / 2**20:.2f} MiB on {device}"
+    )
+    return cache

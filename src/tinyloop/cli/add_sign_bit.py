@@ -6,6 +6,7 @@ import os
 import sys
 
 from tinyloop.cli.args import Parser
+from tinyloop.cli.guard import run_guarded
 from tinyloop.cli.inspect_cmd import parse_or_exit_code
 
 PROG = "tinyloop-add-sign-bit"
@@ -39,7 +40,11 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_or_exit_code(build_parser(), sys.argv[1:] if argv is None else argv)
+    return run_guarded(PROG, lambda: _run(sys.argv[1:] if argv is None else argv))
+
+
+def _run(argv: list[str]) -> int:
+    args = parse_or_exit_code(build_parser(), argv)
     if isinstance(args, int):
         return args
     if not args.loop_only:

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, NoReturn
+
+from tinyloop.config import MAX_LOOPS
 
 if TYPE_CHECKING:
     import torch
@@ -77,6 +81,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def loop_count(text: str) -> int:
+    value = _int(text)
+    if not 1 <= value <= MAX_LOOPS:
+        raise argparse.ArgumentTypeError(f"must be in [1, {MAX_LOOPS}], got {text!r}")
+    return value
+
+
 def non_negative_int(text: str) -> int:
     value = _int(text)
     if value < 0:
@@ -113,3 +124,35 @@ def _float(text: str) -> float:
     if value != value or value in (float("inf"), float("-inf")):
         raise argparse.ArgumentTypeError(f"must be finite, got {text!r}")
     return value
+
+
+def argv_bytes(text: str) -> bytes:
+    """An argument's bytes as the shell passed them (Python decodes argv with surrogate escapes, so bytes
+    that are not UTF-8, such as $'\\xff', come back unchanged): a byte-level model's tokens."""
+    return os.fsencode(text)
+
+
+def utf8_text(text: str, flag: str) -> str:
+    """An argument that must be text (for a tokenizer): refused when its bytes are not valid UTF-8."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise CliError(f"{flag} is not valid UTF-8 text; this model's tokenizer reads text") from None
+    return text
+
+
+def refuse_unused(args: argparse.Namespace, defaults: Mapping[str, object], why: str) -> None:
+    """Usage error for options given but meaningless here: `defaults` maps dest -> value when not given."""
+    given = [f"--{dest.replace('_', '-')}" for dest, default in defaults.items() if getattr(args, dest) != default]
+    if given:
+        raise CliError(f"{', '.join(given)}: {why}")
+
+
+def report_grammar_cut(prog: str, finished: bool, max_tokens: int) -> None:
+    """Warn when --max-tokens ended the output before the grammar could accept it."""
+    if not finished:
+        print(
+            f"{prog}: warning: --max-tokens {max_tokens} ended the output before it matched the grammar "
+            "(--regex / --json-schema); the text is only a prefix of a match",
+            file=sys.stderr,
+        )

@@ -6,7 +6,15 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
-from tinyloop.cli.args import CliError, Parser, add_dtype_argument, non_negative_int, positive_int, torch_dtype
+from tinyloop.cli.args import (
+    CliError,
+    Parser,
+    add_dtype_argument,
+    loop_count,
+    non_negative_int,
+    positive_int,
+    torch_dtype,
+)
 from tinyloop.cli.inspect_cmd import parse_or_exit_code
 
 if TYPE_CHECKING:
@@ -20,7 +28,7 @@ def build_parser() -> Parser:
         prog="tinyloop benchmark",
         description="Time repeated forward scoring of synthetic tokens (and, with --decode, cached generation).",
     )
-    p.add_argument("--loops", type=positive_int, default=8, help="loop iterations (default: 8)")
+    p.add_argument("--loops", type=loop_count, default=8, help="loop iterations (default: 8)")
     p.add_argument("--seq-len", type=positive_int, default=512, help="synthetic tokens per row (default: 512)")
     p.add_argument("--repeat", type=positive_int, default=20, help="timed forward runs (default: 20)")
     p.add_argument("--batch", type=positive_int, default=1, help="rows per forward and decode step (default: 1)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 from tinyloop.cli.args import Parser
+from tinyloop.cli.guard import run_guarded
 from tinyloop.cli.inspect_cmd import parse_or_exit_code
 from tinyloop.presets import PRESETS
 
@@ -46,7 +47,11 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_or_exit_code(build_parser(), sys.argv[1:] if argv is None else argv)
+    return run_guarded(PROG, lambda: _run(sys.argv[1:] if argv is None else argv))
+
+
+def _run(argv: list[str]) -> int:
+    args = parse_or_exit_code(build_parser(), argv)
     if isinstance(args, int):
         return args
     if args.from_hf is not None:

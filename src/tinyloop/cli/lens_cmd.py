@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import io
+import os
 import sys
+import tempfile
 
-from tinyloop.cli.args import CliError, Parser, positive_int
+from tinyloop.cli.args import CliError, Parser, argv_bytes, loop_count
 
 
 def build_parser() -> Parser:
     p = Parser(prog="tinyloop lens", description="Show what the model would predict after each loop.")
     p.add_argument("--prompt", required=True, help="text to score (raw bytes for byte-vocabulary models)")
-    p.add_argument("--loops", type=positive_int, default=8, help="loop iterations (default: 8)")
+    p.add_argument("--loops", type=loop_count, default=8, help="loop iterations (default: 8)")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="also draw a heatmap to this PNG")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
     return p
@@ -25,23 +28,24 @@ def _show(token: int) -> str:
 
 def run_lens(path: str, argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    prompt = args.prompt.encode("utf-8")
+    prompt = argv_bytes(args.prompt)
     if not prompt:
         raise CliError("--prompt must not be empty")
+    from tinyloop.format.header import read_header
+
+    file_header = read_header(path)
+    cfg = file_header.config
+    if cfg.tokenizer != "bytes" or "tokenizer" in file_header.metadata:
+        raise CliError("lens needs a byte-vocabulary model in this version")
+    if len(prompt) > cfg.max_position:
+        raise CliError(f"--prompt has {len(prompt)} bytes, more than the model's maximum position {cfg.max_position}")
+    if args.plot:
+        check_writable(args.plot, "--plot")
     import numpy as np
 
     from tinyloop.api.model import Model
-    from tinyloop.errors import TinyLoopFormatError
 
-    try:
-        model = Model(path, max_seq_len=max(len(prompt), 1), device=args.device)
-    except TinyLoopFormatError as exc:
-        raise CliError(str(exc), code=1) from None
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
-    with model:
-        if model.header.config.tokenizer != "bytes":
-            raise CliError("lens needs a byte-vocabulary model in this version")
+    with Model(path, max_seq_len=len(prompt), device=args.device) as model:
         lens = model.score_logit_lens(list(prompt), loops=args.loops)
     assert isinstance(lens, np.ndarray)
     shifted = lens - lens.max(-1, keepdims=True)
@@ -85,5 +89,41 @@ def _plot(path: str, prompt: bytes, final_prob: object, final: object) -> None:
         ax.text(t, loops - 1, _show(int(tok)), ha="center", va="center", fontsize=6, color="white")
     fig.colorbar(im, ax=ax, fraction=0.03)
     fig.tight_layout()
-    fig.savefig(path, dpi=130)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=130)
     plt.close(fig)
+    write_atomically(path, png.getvalue(), "--plot")
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Refuse an output path whose folder is missing or not writable before any work is done."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise CliError(f"{flag}: {path} is a directory, expected a file name")
+    if not os.path.isdir(folder):
+        raise CliError(f"{flag}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise CliError(f"{flag}: the folder {folder} is not writable")
+
+
+def write_atomically(path: str, data: bytes, flag: str) -> None:
+    """The whole file or none of it: written beside `path`, then renamed over it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tinyloop-", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as exc:
+        raise CliError(f"{flag}: cannot write {path}: {exc.strerror or exc}", code=1) from None
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

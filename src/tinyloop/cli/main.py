@@ -7,6 +7,7 @@ import sys
 from importlib import import_module
 
 from tinyloop.cli.args import CliError
+from tinyloop.cli.guard import run_guarded
 
 # verb -> (module, function). Modules import lazily: `inspect` must start without torch.
 VERBS: dict[str, tuple[str, str]] = {
@@ -34,6 +35,15 @@ run `tinyloop <model> <command> --help` for a command's options."""
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    verb = args[1] if len(args) > 1 and args[1] in VERBS else None
+    try:
+        return run_guarded(f"tinyloop {verb}" if verb else "tinyloop", lambda: _dispatch(args))
+    finally:
+        # The command is done: spare the exit's garbage collection a pass over torch's ~165k objects (~0.9 s).
+        gc.freeze()
+
+
+def _dispatch(args: list[str]) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if args else 2
@@ -42,35 +52,22 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"tinyloop {__version__}")
         return 0
+    if args[0] in VERBS and (len(args) < 2 or args[1] not in VERBS):
+        model = args[1] if len(args) > 1 and not args[1].startswith("-") else "MODEL"
+        raise CliError(f"the model comes first, then the command: tinyloop {model} {args[0]} [options]")
     if len(args) < 2:
-        print("tinyloop: error: missing command after the model (try: inspect, generate)", file=sys.stderr)
-        return 2
+        raise CliError("missing command after the model (try: inspect, generate)")
     model, verb, rest = args[0], args[1], args[2:]
     if verb not in VERBS:
         if verb in LATER:
-            print(f"tinyloop: error: the '{verb}' command is not available in this version yet", file=sys.stderr)
-        else:
-            print(f"tinyloop: error: unknown command {verb!r}; choose one of {sorted(VERBS)}", file=sys.stderr)
-        return 2
-    try:
-        from tinyloop.builtin import resolve_model
+            raise CliError(f"the '{verb}' command is not available in this version yet")
+        raise CliError(f"unknown command {verb!r}; choose one of {sorted(VERBS)}")
+    from tinyloop.builtin import resolve_model
 
-        path = resolve_model(model)
-    except ValueError as exc:
-        print(f"tinyloop: error: {exc}", file=sys.stderr)
-        return 2
+    path = resolve_model(model)  # ValueError: neither a file nor a built-in name (exit 2)
     module, func = VERBS[verb]
-    try:
-        result: int = getattr(import_module(module), func)(str(path), rest)
-        return result
-    except CliError as exc:
-        print(f"tinyloop {verb}: error: {exc}", file=sys.stderr)
-        return exc.code
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        # The command is done: spare the exit's garbage collection a pass over torch's ~165k objects (~0.9 s).
-        gc.freeze()
+    result: int = getattr(import_module(module), func)(str(path), rest)
+    return result
 
 
 if __name__ == "__main__":

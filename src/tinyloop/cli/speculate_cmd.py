@@ -11,11 +11,16 @@ from tinyloop.cli.args import (
     CliError,
     Parser,
     add_dtype_argument,
+    argv_bytes,
+    loop_count,
     non_negative_float,
     non_negative_int,
     positive_int,
     probability,
+    refuse_unused,
+    report_grammar_cut,
     torch_dtype,
+    utf8_text,
 )
 from tinyloop.cli.constraint_args import add_constraint_arguments, build_grammar
 
@@ -27,8 +32,8 @@ if TYPE_CHECKING:
 def build_parser() -> Parser:
     p = Parser(prog="tinyloop speculate", description="Self-speculative decoding with one model's weights.")
     p.add_argument("--prompt", default="The meaning of life is", help="prompt text (default: %(default)r)")
-    p.add_argument("--draft-loops", type=positive_int, default=2, help="loops of a draft step (default: 2)")
-    p.add_argument("--verify-loops", type=positive_int, default=8, help="loops of verification (default: 8)")
+    p.add_argument("--draft-loops", type=loop_count, default=2, help="loops of a draft step (default: 2)")
+    p.add_argument("--verify-loops", type=loop_count, default=8, help="loops of verification (default: 8)")
     p.add_argument("--draft-ahead", type=positive_int, default=4, help="tokens drafted per round (default: 4)")
     p.add_argument("--max-tokens", type=non_negative_int, default=50, help="new tokens (default: 50)")
     p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 is greedy (default: 0.0)")
@@ -42,7 +47,7 @@ def build_parser() -> Parser:
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="end before this text (repeatable)")
     p.add_argument("--no-stop", action="store_true", help="do not stop at an embedded tokenizer's end tokens")
     p.add_argument("--l-warmup-tokens", type=non_negative_int, default=0, help="first N decode steps run shallower")
-    p.add_argument("--l-warmup-L", type=positive_int, default=2, help="loops during the warm-up steps (default: 2)")
+    p.add_argument("--l-warmup-L", type=loop_count, default=2, help="loops during the warm-up steps (default: 2)")
     p.add_argument("--stats", action="store_true", help="acceptance, tokens per verify pass and speed-up to stderr")
     p.add_argument("--no-adaptive", action="store_true", help="always draft --draft-ahead tokens")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
@@ -67,27 +72,38 @@ def run_speculate(path: str, argv: list[str]) -> int:
     if args.stop is not None and not all(args.stop):
         raise CliError("--stop must not be empty")
     grammar = build_grammar(args)
+    from tinyloop.format.header import read_header
+
+    cfg = read_header(path).config
+    byte_model = cfg.tokenizer == "bytes"
+    if byte_model:
+        refuse_unused(args, {"no_stop": False}, "a byte-level model has no end tokens to ignore")
+        prompt_bytes = argv_bytes(args.prompt)
+        stop = None if args.stop is None else [argv_bytes(text) for text in args.stop]
+        if len(prompt_bytes) + args.max_tokens > cfg.max_position:
+            raise CliError(
+                f"--prompt ({len(prompt_bytes)} bytes) + --max-tokens {args.max_tokens} exceeds the model's "
+                f"maximum position {cfg.max_position}"
+            )
+    else:
+        prompt_bytes = utf8_text(args.prompt, "--prompt").encode("utf-8")
+        stop = None if args.stop is None else [utf8_text(text, "--stop").encode("utf-8") for text in args.stop]
 
     from tinyloop.api.model import Model
-    from tinyloop.errors import TinyLoopFormatError
 
-    try:
-        model = Model(
-            path, max_seq_len=2048, device=args.device, dtype=torch_dtype(args.dtype, args.device),
-            cache_window=args.cache_window,
-        )  # fmt: skip
-    except TinyLoopFormatError as exc:
-        raise CliError(str(exc), code=1) from None
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
+    # A text prompt has at most one token per byte, plus a bos.
+    room = min(len(prompt_bytes) + 1 + args.max_tokens, cfg.max_position)
+    model = Model(
+        path, max_seq_len=room, device=args.device, dtype=torch_dtype(args.dtype, args.device),
+        cache_window=args.cache_window,
+    )  # fmt: skip
     with model:
-        byte_model = model.header.config.tokenizer == "bytes"
-        prompt = list(args.prompt.encode("utf-8")) if byte_model else model.encode(args.prompt)
-        model.max_seq_len = min(len(prompt) + args.max_tokens, model.header.config.max_position)
+        prompt = list(prompt_bytes) if byte_model else model.encode(args.prompt)
+        model.max_seq_len = min(len(prompt) + args.max_tokens, cfg.max_position)
         # As generate: a model with an embedded tokenizer stops at its end tokens (which are not printed).
         stop_tokens = None if byte_model or args.no_stop or not model.has_tokenizer else model.tokenizer.stop_ids
         kwargs: dict[str, Any] = dict(
-            grammar=grammar, stop_tokens=stop_tokens, stop=args.stop, l_warmup_tokens=args.l_warmup_tokens,
+            grammar=grammar, stop_tokens=stop_tokens, stop=stop, l_warmup_tokens=args.l_warmup_tokens,
             l_warmup_loops=args.l_warmup_L,
         )  # fmt: skip
         out = sys.stdout.buffer
@@ -99,7 +115,7 @@ def run_speculate(path: str, argv: list[str]) -> int:
             )  # fmt: skip
         except ValueError as exc:
             raise CliError(" ".join(str(exc).split())) from None
-        out.write(args.prompt.encode("utf-8"))
+        out.write(prompt_bytes)
         out.flush()
         tokens: list[int] = []
         for item in stream:
@@ -118,6 +134,7 @@ def run_speculate(path: str, argv: list[str]) -> int:
             f"tokens/s ({s.generated_tokens} tokens, draft {args.draft_loops} / verify {args.verify_loops} loops)",
             file=sys.stderr,
         )
+        report_grammar_cut("tinyloop speculate", s.finished, args.max_tokens)
         if args.stats:
             _print_stats(model, prompt, args, s, tokens, kwargs)
     return 0

@@ -6,7 +6,16 @@ import argparse
 import sys
 from typing import Any
 
-from tinyloop.cli.args import CliError, Parser, non_negative_int, positive_int, probability, torch_dtype
+from tinyloop.cli.args import (
+    CliError,
+    Parser,
+    loop_count,
+    non_negative_int,
+    probability,
+    report_grammar_cut,
+    torch_dtype,
+    utf8_text,
+)
 
 # runtime.adaptive_exit.CRITERIA, repeated so that parsing needs no torch.
 CRITERIA = ("kl", "entropy", "argmax", "latent", "gate")
@@ -21,7 +30,7 @@ def add_text_arguments(p: Parser) -> None:
     g.add_argument("--weighted-exit", action="store_true", help="Ouro: mix every loop's logits by the exit pdf")
     g.add_argument("--exit-criterion", choices=CRITERIA, help="per-token adaptive depth in decoding (Huginn's)")
     g.add_argument("--exit-tol", type=float, default=None, help="threshold of --exit-criterion (default: Huginn's)")
-    g.add_argument("--min-loops", type=positive_int, default=1, help="with --exit-criterion: loops before any exit")
+    g.add_argument("--min-loops", type=loop_count, default=1, help="with --exit-criterion: loops before any exit")
     g.add_argument("--no-stop", action="store_true", help="do not stop at the family's end tokens")
 
 
@@ -46,6 +55,13 @@ def run_text_generate(path: str, args: argparse.Namespace, argv: list[str], gram
     through the runtime's generation loop (the two do not combine yet)."""
     if not args.prompt:
         raise CliError("--prompt must not be empty")
+    utf8_text(args.prompt, "--prompt")
+    if args.system is not None:
+        utf8_text(args.system, "--system")
+    if args.system is not None and not args.chat:
+        raise CliError("--system is a chat message: it needs --chat")
+    for text in args.stop or ():
+        utf8_text(text, "--stop")
     runtime_features = bool(args.stop) or grammar is not None or args.l_warmup_tokens > 0
     exits = args.exit_threshold is not None or args.exit_at_step is not None or args.weighted_exit
     if runtime_features and (exits or args.exit_criterion):
@@ -131,4 +147,5 @@ def _runtime_generate(model: Any, prompt: str | list[dict[str, str]], loops: int
         f"stop: {s.stop_reason})",
         file=sys.stderr,
     )
+    report_grammar_cut("tinyloop generate", s.finished, args.max_tokens)
     return 0

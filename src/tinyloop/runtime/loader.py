@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from tinyloop.config import ArchConfig
-from tinyloop.env import RuntimeEnv
+from tinyloop.env import RuntimeEnv, log_level
 from tinyloop.format.header import ModelHeader, read_header
 from tinyloop.format.reader import load_weights
 from tinyloop.kernels import cpu_int4, cuda_backend
@@ -19,6 +19,7 @@ from tinyloop.model.cross_iter import stochastic_weights
 from tinyloop.model.weights import ModelWeights
 from tinyloop.quant import BlockedInt4Weight, Int4Weight, Int8Weight
 from tinyloop.runtime.engine import Engine, cpu_threads_for
+from tinyloop.runtime.load_report import report_load
 from tinyloop.stochastic.weight import CrossIterRound
 
 
@@ -155,9 +156,13 @@ def load_engine(
             off = "no Triton kernels, so no decode graphs to carry the window"
         dense, l2_plan = keep_looped_resident(dense, device, cuda_backend.l2_cache_bytes(), off)
         report_cuda_memory(dense, cuda_env, l2_plan)
-    weights = ModelWeights.from_flat(header.config, {**dense, **kept})
+    prepared = {**dense, **kept}
+    weights = ModelWeights.from_flat(header.config, prepared)
     l2_window = None if l2_plan is None else l2_plan.window
-    return header, Engine(header.config, weights, device, compute, l2_window=l2_window)
+    engine = Engine(header.config, weights, device, compute, l2_window=l2_window)
+    if log_level() >= 2:
+        report_load(header.path, flat, prepared, engine)
+    return header, engine
 
 
 def report_cuda_memory(weights: Mapping[str, Weight], env: RuntimeEnv, l2_plan: L2Plan) -> None:
