@@ -39,21 +39,24 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_guarded(f"tinyloop {verb}" if verb else "tinyloop", lambda: _dispatch(args))
     finally:
-        # The command is done: spare the exit's garbage collection a pass over torch's ~165k objects (~0.9 s).
-        gc.freeze()
+        if argv is None:  # the process ends next (not a call from Python code)
+            # Spare the exit's garbage collection a pass over torch's ~165k objects (~0.9 s).
+            gc.freeze()
 
 
 def _dispatch(args: list[str]) -> int:
-    if not args or args[0] in ("-h", "--help"):
+    if not args:
+        raise CliError("missing the model and the command; usage: tinyloop <model> <command> [options] (see --help)")
+    if args[0] in ("-h", "--help"):
         print(USAGE)
-        return 0 if args else 2
+        return 0
     if args[0] == "--version":
         from tinyloop import __version__
 
         print(f"tinyloop {__version__}")
         return 0
     if args[0] in VERBS and (len(args) < 2 or args[1] not in VERBS):
-        model = args[1] if len(args) > 1 and not args[1].startswith("-") else "MODEL"
+        model = args[1] if len(args) > 1 and not args[1].startswith("-") else "<model>"
         raise CliError(f"the model comes first, then the command: tinyloop {model} {args[0]} [options]")
     if len(args) < 2:
         raise CliError("missing command after the model (try: inspect, generate)")
