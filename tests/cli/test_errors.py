@@ -89,6 +89,9 @@ def tiny_cases(files: dict[str, Path], model: str) -> list[tuple[list[str], int,
         ([model, "generate", "--device", "tpu"], 2, "device"),
         ([model, "generate", "--dtype", "int8"], 2, "--dtype"),
         ([model, "generate", "--stop", ""], 2, "--stop must not be empty"),
+        ([model, "generate", "--temperature", "1e-310"], 2, "temperature must be 0 (greedy) or a positive normal"),
+        ([model, "generate", "--seed", str(2**64)], 2, "seed must be an integer in [0, 2**64)"),
+        ([text, "generate", "--temperature", "1e-310"], 2, "temperature must be 0 (greedy)"),
         ([garbage, "generate"], 1, garbage),
         ([text, "generate", "--prompt", "\udcff\udcfe"], 2, "--prompt is not valid UTF-8"),
         ([text, "generate", "--prompt", "ok", "--stop", "\udcff"], 2, "--stop is not valid UTF-8"),
@@ -108,6 +111,8 @@ def tiny_cases(files: dict[str, Path], model: str) -> list[tuple[list[str], int,
         ([model, "speculate", "--cache-window", "8"], 2, "--cache-window 8"),
         ([model, "speculate", "--verify-loops", str(MAX_LOOPS + 1)], 2, "--verify-loops"),
         ([text, "speculate", "--prompt", "\udcff"], 2, "--prompt is not valid UTF-8"),
+        ([model, "speculate", "--temperature", "1e-310"], 2, "temperature must be 0 (greedy) or a positive normal"),
+        ([model, "speculate", "--seed", str(2**64)], 2, "seed must be an integer in [0, 2**64)"),
         # benchmark
         ([model, "benchmark", "--seq-len", "0"], 2, "--seq-len"),
         ([model, "benchmark", "--seq-len", "2000"], 2, "--seq-len 2000 exceeds"),
@@ -122,8 +127,9 @@ CASES = tiny_cases({"text": Path("TEXT"), "garbage": Path("GARBAGE"), "folder": 
 @pytest.mark.parametrize("index", range(len(CASES)), ids=[" ".join(c[0])[:60] for c in CASES])
 def test_tinyloop_bad_input(tiny_files, bad_files, capsysbinary, index: int) -> None:
     argv, expected, needle = tiny_cases(bad_files, str(tiny_files["f32"]))[index]
-    code, _, err = run_cli(capsysbinary, argv)
+    code, out, err = run_cli(capsysbinary, argv)
     assert_one_line(code, err, expected, needle.replace("MODEL", str(tiny_files["f32"])))
+    assert out == b""  # refused before any output (no prompt echoed, no half a table)
 
 
 @pytest.mark.parametrize(

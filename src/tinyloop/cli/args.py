@@ -156,3 +156,14 @@ def report_grammar_cut(prog: str, finished: bool, max_tokens: int) -> None:
             "(--regex / --json-schema); the text is only a prefix of a match",
             file=sys.stderr,
         )
+
+
+def check_sampling(args: argparse.Namespace, loops: int) -> None:
+    """Build the request's SamplingParams before the model loads, so that a value the runtime refuses
+    (a subnormal --temperature, a --seed of 2**64 or more) fails before any output."""
+    from tinyloop.sampling import SamplingParams
+
+    SamplingParams(
+        max_tokens=args.max_tokens, loops=loops, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, seed=args.seed, l_warmup_tokens=args.l_warmup_tokens, l_warmup_loops=args.l_warmup_L,
+    )  # fmt: skip

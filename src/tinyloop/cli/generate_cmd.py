@@ -9,6 +9,7 @@ from tinyloop.cli.args import (
     Parser,
     add_dtype_argument,
     argv_bytes,
+    check_sampling,
     loop_count,
     non_negative_float,
     non_negative_int,
@@ -55,6 +56,7 @@ def run_generate(path: str, argv: list[str]) -> int:
     if args.stop is not None and not all(args.stop):
         raise CliError("--stop must not be empty")
     grammar = build_grammar(args)
+    check_sampling(args, args.loops)
     if is_text_model(path):  # an embedded tokenizer: text prompts, family exits (cli/text_generate.py)
         return run_text_generate(path, args, argv, grammar)
     refuse_unused(args, TEXT_ONLY, "only for models with an embedded tokenizer; this is a byte-level model")
@@ -82,14 +84,14 @@ def run_generate(path: str, argv: list[str]) -> int:
     with model:
         if model.header.config.tokenizer != "bytes" or model.header.config.vocab_size < 256:
             raise CliError("this model has no byte vocabulary; text prompts need an embedded tokenizer")
-        out = sys.stdout.buffer
-        out.write(prompt)
-        out.flush()
         stop = None if args.stop is None else [argv_bytes(text) for text in args.stop]
         stream = model.generate_stream(
             list(prompt), args.max_tokens, args.loops, args.temperature, args.top_k, args.top_p, args.seed,
             grammar=grammar, stop=stop, l_warmup_tokens=args.l_warmup_tokens, l_warmup_loops=args.l_warmup_L,
         )  # fmt: skip
+        out = sys.stdout.buffer
+        out.write(prompt)
+        out.flush()
         for token in stream:
             out.write(bytes((token,)) if token < 256 else b"")
             out.flush()

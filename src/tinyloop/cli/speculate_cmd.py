@@ -12,6 +12,7 @@ from tinyloop.cli.args import (
     Parser,
     add_dtype_argument,
     argv_bytes,
+    check_sampling,
     loop_count,
     non_negative_float,
     non_negative_int,
@@ -72,6 +73,7 @@ def run_speculate(path: str, argv: list[str]) -> int:
     if args.stop is not None and not all(args.stop):
         raise CliError("--stop must not be empty")
     grammar = build_grammar(args)
+    check_sampling(args, args.verify_loops)
     from tinyloop.format.header import read_header
 
     cfg = read_header(path).config
