@@ -37,7 +37,16 @@ _CHOICES: dict[str, tuple[str, ...]] = {
 
 
 class ConfigError(ValueError):
-    """An architecture config field is missing, of the wrong type, or out of range."""
+    """An architecture config field is missing, of the wrong type, or out of range.
+
+    For a single bad field, `field`, `expected` and `found` name it, the accepted values and the value.
+    """
+
+    def __init__(self, message: str, field: str | None = None, expected: str = "", found: str = "") -> None:
+        super().__init__(message)
+        self.field = field
+        self.expected = expected
+        self.found = found
 
 
 @dataclass(frozen=True)
@@ -133,7 +142,7 @@ class ArchConfig:
     @classmethod
     def from_json(cls, text: str) -> ArchConfig:
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         # ValueError also covers integers longer than Python's int-string conversion limit.
         except (ValueError, RecursionError) as exc:
             raise ConfigError(f"config is not valid JSON: {exc}") from None
@@ -143,13 +152,51 @@ class ArchConfig:
         return dataclasses.replace(self, **changes)
 
 
-_INT_FIELDS = (
-    "vocab_size", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim",
-    "n_prelude", "n_body", "n_coda", "default_loops", "max_position", "state_init_seed",
-)  # fmt: skip
-_FLOAT_FIELDS = ("norm_eps", "rope_base", "state_init_std", "embed_scale", "logit_scale")
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ConfigError(f"config repeats the key {key!r}")
+        out[key] = value
+    return out
+
+
+# What the runtime can honour. A file outside these ranges is refused at load, before anything is
+# allocated (docs/format.md, "2.4 Config ranges").
+MAX_POSITION = 1 << 20  # RoPE positions; tables are sized by the run's max_seq_len, never by this
+MAX_LOOPS = 1024  # loop iterations, default_loops included; each one is a full pass of the body
+MAX_LAYERS = 256  # prelude + body + coda layers stored in one file
+MAX_VOCAB = 1 << 24
+MAX_WIDTH = 1 << 17  # d_model and ffn_dim
+MAX_HEAD_DIM = 1024
+MAX_HEADS = 4096
+MAX_SEED = (1 << 63) - 1
+
+_INT_RANGES: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, MAX_VOCAB),
+    "d_model": (1, MAX_WIDTH),
+    "n_heads": (1, MAX_HEADS),
+    "n_kv_heads": (1, MAX_HEADS),
+    "head_dim": (2, MAX_HEAD_DIM),
+    "ffn_dim": (1, MAX_WIDTH),
+    "n_prelude": (0, MAX_LAYERS),
+    "n_body": (1, MAX_LAYERS),
+    "n_coda": (0, MAX_LAYERS),
+    "default_loops": (1, MAX_LOOPS),
+    "max_position": (1, MAX_POSITION),
+    "state_init_seed": (0, MAX_SEED),
+}
+# Closed ranges: [low, high]. Every released looped or RoPE model lies well inside them; values outside
+# overflow float32 (scales), swamp the normalised signal (eps) or alias positions within a few hundred
+# tokens (rope_base below 100: the slowest rotation's period is 2*pi*base).
+FLOAT_RANGES: dict[str, tuple[float, float]] = {
+    "norm_eps": (1e-12, 1e-2),
+    "rope_base": (1e2, 1e10),
+    "state_init_std": (0.0, 1e2),
+    "embed_scale": (1e-4, 1e4),
+    "logit_scale": (1e-4, 1e4),
+}
 _BOOL_FIELDS = ("qk_bias", "head_norm", "tied_embeddings", "exit_gate")
-_LIMIT = 1 << 24
 
 
 def _finite(value: float) -> bool:
@@ -159,46 +206,39 @@ def _finite(value: float) -> bool:
         return False
 
 
+def _bad(name: str, expected: str, found: object) -> ConfigError:
+    return ConfigError(f"config field {name!r} must be {expected}, found {found!r}", name, expected, repr(found))
+
+
 def _validate(cfg: ArchConfig) -> None:
-    for name in _INT_FIELDS:
+    for name, (low, high) in _INT_RANGES.items():
         value = getattr(cfg, name)
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"config field {name!r} must be an integer, found {value!r}")
-        if not 0 <= value <= _LIMIT:
-            raise ConfigError(f"config field {name!r} must be in [0, {_LIMIT}], found {value}")
-    for name in (
-        "vocab_size",
-        "d_model",
-        "n_heads",
-        "n_kv_heads",
-        "head_dim",
-        "ffn_dim",
-        "n_body",
-        "default_loops",
-        "max_position",
-    ):
-        if getattr(cfg, name) < 1:
-            raise ConfigError(f"config field {name!r} must be at least 1, found {getattr(cfg, name)}")
-    for name in _FLOAT_FIELDS:
+            raise _bad(name, "an integer", value)
+        if not low <= value <= high:
+            raise _bad(name, f"an integer in [{low}, {high}]", value)
+    for name, (flow, fhigh) in FLOAT_RANGES.items():
         value = getattr(cfg, name)
         # A huge JSON integer overflows float conversion inside isfinite; treat it as not finite.
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
-            raise ConfigError(f"config field {name!r} must be a finite number, found {value!r}")
+            raise _bad(name, f"a finite number in [{flow:g}, {fhigh:g}]", value)
+        if not flow <= value <= fhigh:
+            raise _bad(name, f"a number in [{flow:g}, {fhigh:g}]", value)
     for name in _BOOL_FIELDS:
         if not isinstance(getattr(cfg, name), bool):
-            raise ConfigError(f"config field {name!r} must be true or false, found {getattr(cfg, name)!r}")
+            raise _bad(name, "true or false", getattr(cfg, name))
     for name, choices in _CHOICES.items():
         if getattr(cfg, name) not in choices:
-            raise ConfigError(f"config field {name!r} must be one of {list(choices)}, found {getattr(cfg, name)!r}")
+            raise _bad(name, f"one of {list(choices)}", getattr(cfg, name))
     if not isinstance(cfg.family, str) or not isinstance(cfg.name, str):
         raise ConfigError("config fields 'family' and 'name' must be strings")
     if not isinstance(cfg.extra, dict):
         raise ConfigError(f"config field 'extra' must be an object, found {type(cfg.extra).__name__}")
+    if cfg.n_layers > MAX_LAYERS:
+        raise ConfigError(f"config has {cfg.n_layers} layers (prelude + body + coda); at most {MAX_LAYERS} are read")
     if cfg.head_dim % 2:
-        raise ConfigError(f"head_dim must be even for RoPE, found {cfg.head_dim}")
+        raise _bad("head_dim", "even (RoPE rotates pairs)", cfg.head_dim)
     if cfg.n_heads % cfg.n_kv_heads:
         raise ConfigError(f"n_heads ({cfg.n_heads}) must be a multiple of n_kv_heads ({cfg.n_kv_heads})")
-    if cfg.norm_eps <= 0 or cfg.rope_base <= 1 or cfg.state_init_std < 0:
-        raise ConfigError("norm_eps must be > 0, rope_base > 1 and state_init_std >= 0")
     if cfg.state_start == "random" and cfg.state_init_std == 0:
         raise ConfigError("state_start 'random' needs state_init_std > 0")

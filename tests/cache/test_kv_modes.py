@@ -65,7 +65,9 @@ def test_int8_is_close_to_16bit_and_independent_of_step_splits(variant: str) -> 
     int8 = split_run(engine, _cache(engine, "int8", 3), tokens, 3, CHUNKS)
     assert float(kl(dense, int8).mean()) < 1e-3
     whole = split_run(engine, _cache(engine, "int8", 3), tokens, 3, [len(tokens)])
-    assert max_rel_error(whole, int8) <= 1e-5
+    # Not bit-equal: float32 sums differ between one step and many, which can flip an INT8 code that lies
+    # on a rounding boundary (one step of a row's scale); a wrong split would be off by orders more.
+    assert max_rel_error(whole, int8) <= 5e-5
 
 
 @pytest.mark.parametrize("window", [1, 3, 8, 40])

@@ -29,12 +29,17 @@ def edit_header(path: Path, fn: Callable[[dict[str, Any]], None]) -> None:
 
 
 def edit_meta_json(path: Path, key: str, fn: Callable[[Any], object]) -> None:
-    """Mutate a JSON-encoded metadata value (config, quantization, checksums) in place with fn."""
+    """Mutate a JSON-encoded metadata value (config, quantization, checksums) in place with fn; an edited
+    config gets a matching `config_crc32`, as if the file had been written that way."""
+    from tinyloop.format.header import config_crc32
 
     def go(doc: dict[str, Any]) -> None:
-        value = json.loads(doc["__metadata__"][key])
+        meta = doc["__metadata__"]
+        value = json.loads(meta[key])
         fn(value)
-        doc["__metadata__"][key] = json.dumps(value)
+        meta[key] = json.dumps(value)
+        if key == "config" and "config_crc32" in meta:
+            meta["config_crc32"] = config_crc32(meta[key])
 
     edit_header(path, go)
 

@@ -46,7 +46,7 @@ def test_inspect_json(format_files: dict[str, Path], capsys: pytest.CaptureFixtu
     assert run_inspect(str(format_files["4"]), ["--json", "--max-seq-len", "100"]) == 0
     report = json.loads(capsys.readouterr().out)
     cfg = preset("test-tiny")
-    assert report["format_version"] == "1.0"
+    assert report["format_version"] == "1.1"
     assert report["quantization"]["bits"] == 4 and report["quantization"]["group_size"] == 64
     assert report["parameters"] == parameter_count(cfg)
     assert report["weight_bytes"] == read_header(format_files["4"]).weight_bytes
@@ -69,7 +69,7 @@ def test_inspect_json(format_files: dict[str, Path], capsys: pytest.CaptureFixtu
 def test_inspect_text_and_errors(format_files: dict[str, Path], tmp_path: Path, capsys) -> None:
     assert run_inspect(str(format_files["8"]), []) == 0
     out = capsys.readouterr().out
-    assert "tinyloop 1.0" in out and "INT8" in out and "d_model 64" in out and "8192" in out
+    assert "tinyloop 1.1" in out and "INT8" in out and "d_model 64" in out and "8192" in out
     assert "CPU and CUDA: float32" in out
     bad = tmp_path / "bad.tinyloop"
     bad.write_bytes(b"\0" * 20)

@@ -206,8 +206,10 @@ def test_bad_config_field(copy_of, field: str, value: object) -> None:
 
 def test_config_with_absurd_layer_count(copy_of) -> None:
     path = copy_of("4")
-    edit_meta_json(path, "config", lambda c: c.update(n_body=2**24))
+    edit_meta_json(path, "config", lambda c: c.update(n_body=200))
     refused(path, "layers")
+    edit_meta_json(path, "config", lambda c: c.update(n_body=2**24))
+    refused(path, "'n_body'", "[1, 256]")
 
 
 def test_config_not_json(copy_of) -> None:

@@ -46,7 +46,7 @@ def copy(src: Path, tmp_path: Path) -> Path:
 @pytest.mark.parametrize("kind", ["sign", "frac4"])
 def test_round_trip(files: dict[str, Path], tmp_path: Path, kind: str) -> None:
     h = read_header(files[kind])
-    assert h.format_version_str == "2.0"
+    assert h.format_version_str == "2.1"
     looped = [n for n, tq in h.quantization.tensors.items() if tq.channel is not None]
     assert looped and all(n.startswith("body.") or n == "adapter.weight" for n in looped)
     assert all(tq.channel == kind for n, tq in h.quantization.tensors.items() if n in looped)
@@ -63,12 +63,12 @@ def test_round_trip(files: dict[str, Path], tmp_path: Path, kind: str) -> None:
     assert again.read_bytes() == files[kind].read_bytes()
 
 
-def test_files_without_channels_stay_1_0(files: dict[str, Path], tmp_path: Path) -> None:
+def test_files_without_channels_stay_1_x(files: dict[str, Path], tmp_path: Path) -> None:
     h, w = load_weights(files["int4"])
-    assert h.format_version_str == "1.0"
+    assert h.format_version_str == "1.1"
     out = tmp_path / "plain.tinyloop"
     write_quantized(out, h.config, w, progress=False)
-    assert read_header(out).format_version_str == "1.0"
+    assert read_header(out).format_version_str == "1.1"
 
 
 def test_a_1_0_reader_refuses_with_upgrade(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
@@ -76,14 +76,14 @@ def test_a_1_0_reader_refuses_with_upgrade(files: dict[str, Path], monkeypatch: 
     monkeypatch.setattr(header_module, "READ_VERSIONS", {1: 0})
     with pytest.raises(TinyLoopFormatError, match="upgrade tinyloop") as err:
         read_header(files["sign"])
-    assert err.value.found == "2.0"
+    assert err.value.found == "2.1"
     read_header(files["int4"])
 
 
 def test_newer_major_refused(files: dict[str, Path], tmp_path: Path) -> None:
     path = copy(files["frac4"], tmp_path)
     edit(path, lambda d: d["__metadata__"].update(format_version="3.0"))
-    with pytest.raises(TinyLoopFormatError, match="reads 1.0 and 2.0; upgrade tinyloop"):
+    with pytest.raises(TinyLoopFormatError, match="reads 1.1 and 2.1; upgrade tinyloop"):
         read_header(path)
 
 

@@ -24,6 +24,7 @@ from tinyloop.cache.factory import KVModeChoice, make_cache, resolve_kv_mode
 from tinyloop.cache.pool import PrefixPool
 from tinyloop.env import RuntimeEnv
 from tinyloop.errors import ModelClosedError
+from tinyloop.format.header import read_header
 from tinyloop.format.tokenizer_meta import parse_tokenizer_meta
 from tinyloop.kernels import l2_residency
 from tinyloop.model.weights import weight_bytes
@@ -35,6 +36,8 @@ from tinyloop.text.bytes import ByteTokenizer
 from tinyloop.text.tokenizer import EmbeddedTokenizer
 
 MiB = 1 << 20
+# max_seq_len when none is given (or the model's max_position, if smaller).
+DEFAULT_MAX_SEQ_LEN = 2048
 # Idle working caches kept for reuse (a request checks one out; concurrent requests get their own).
 IDLE_CACHES = 2
 
@@ -45,7 +48,7 @@ class ModelBase:
     def __init__(
         self,
         path: str | os.PathLike[str],
-        max_seq_len: int = 2048,
+        max_seq_len: int | None = None,
         device: str | torch.device | None = None,
         *,
         dtype: torch.dtype | str | None = None,
@@ -54,10 +57,19 @@ class ModelBase:
         cross_iter_round: bool | None = None,
         cross_iter_seed: int = 0,
     ) -> None:
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0:
+        if max_seq_len is not None and (
+            isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len <= 0
+        ):
             raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         self._closed = True
         self.path = resolve_model(path)
+        max_position = read_header(self.path).config.max_position
+        if max_seq_len is None:
+            max_seq_len = min(DEFAULT_MAX_SEQ_LEN, max_position)
+        elif max_seq_len > max_position:
+            raise ValueError(
+                f"max_seq_len must be in [1, {max_position}] (the model's max_position), got {max_seq_len}"
+            )
         self.env = RuntimeEnv.read()
         self.kv: KVModeChoice = resolve_kv_mode(self.env, kv_mode, cache_window)
         self._handles: weakref.WeakSet[CacheHandle] = weakref.WeakSet()
@@ -71,12 +83,11 @@ class ModelBase:
         dtype = compute_dtype(dtype, self.device)
         round_on = self.env.cross_iter_round if cross_iter_round is None else bool(cross_iter_round)
         rounding = CrossIterRound(cross_iter_seed, require_channels=cross_iter_round is True)
-        self.header, self._engine = load_engine(self.path, self.device, dtype, rounding if round_on else None)
+        self.header, self._engine = load_engine(
+            self.path, self.device, dtype, rounding if round_on else None, max_positions=max_seq_len
+        )
         cfg = self.header.config
-        if max_seq_len > cfg.max_position:
-            log.info(f"max_seq_len {max_seq_len} capped at the model's maximum position {cfg.max_position}")
-            max_seq_len = cfg.max_position
-        self.max_seq_len = max_seq_len
+        self._max_seq_len = max_seq_len
         self._closed = False
         self.last_stats = GenerationStats()
         q = self.header.quantization
@@ -116,6 +127,25 @@ class ModelBase:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence (prompt + generated tokens) a call may use; position tables hold this many."""
+        return self._max_seq_len
+
+    @max_seq_len.setter
+    def max_seq_len(self, value: int) -> None:
+        self._check_open()
+        limit = self.header.config.max_position
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+            raise ValueError(
+                f"max_seq_len must be an integer in [1, {limit}] (the model's max_position), got {value!r}"
+            )
+        if value > self._engine.max_positions:
+            self._engine.reserve_positions(value)
+        with self._cache_lock:
+            self._idle_caches.clear()  # sized for the old length
+        self._max_seq_len = value
 
     def _check_open(self) -> None:
         if self._closed:

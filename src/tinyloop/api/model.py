@@ -187,7 +187,7 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
 
 def load(
     path: str | os.PathLike[str],
-    max_seq_len: int = 2048,
+    max_seq_len: int | None = None,
     device: str | torch.device | None = None,
     *,
     dtype: torch.dtype | str | None = None,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from tinyloop.config import ArchConfig
+from tinyloop.format.header import config_crc32
 from tinyloop.format.spec import (
     DATA_ALIGNMENT,
     FORMAT_NAME,
@@ -39,12 +40,14 @@ class HeaderPlan:
     def header_bytes(self, checksums: dict[str, str] | None = None) -> bytes:
         """The JSON header (without the 8-byte length), padded with spaces to align the data section."""
         crcs = checksums if checksums is not None else dict.fromkeys(self.stored, PLACEHOLDER_CRC)
+        config = self.cfg.to_json()
         metadata = {
             "format": FORMAT_NAME,
             "format_version": version_str(self.quant.format_version),
-            "config": self.cfg.to_json(),
+            "config": config,
             "quantization": json.dumps(self.quant.to_json_obj(), separators=(",", ":")),
             "checksums": json.dumps({n: crcs[n] for n in self.stored}, separators=(",", ":")),
+            "config_crc32": config_crc32(config),
             **self.extra_metadata,
         }
         doc: dict[str, object] = {"__metadata__": metadata}

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import zlib
 from dataclasses import dataclass, field
+from json.decoder import scanstring  # type: ignore[attr-defined]  # C-accelerated, stable since 3.0
 from typing import Any, NoReturn
 
-from tinyloop.config import ArchConfig
+from tinyloop.config import ArchConfig, ConfigError
 from tinyloop.errors import TinyLoopFormatError
 from tinyloop.format.spec import (
     BITS,
@@ -17,7 +19,11 @@ from tinyloop.format.spec import (
     FORMAT_NAME,
     GROUP_SIZES,
     KINDS,
+    MAX_ENTRY_CHARS,
     MAX_HEADER_BYTES,
+    MAX_METADATA_KEYS,
+    MAX_TENSORS,
+    METADATA_JSON_LIMITS,
     OPTIONAL_METADATA,
     READ_VERSIONS,
     REQUIRED_METADATA,
@@ -94,6 +100,16 @@ def _loads(text: str) -> Any:
     return json.loads(text, object_pairs_hook=_no_duplicates)
 
 
+_DECODER = json.JSONDecoder(object_pairs_hook=_no_duplicates)
+_WHITESPACE = re.compile(r"[ \t\n\r]*")
+_FIRST_CHAR_TYPE = {"{": "object", "[": "array", '"': "string", "t": "boolean", "f": "boolean", "n": "null"}
+
+
+def config_crc32(config_text: str) -> str:
+    """The `config_crc32` metadata value: CRC32 of the `config` string's UTF-8 bytes, 8 lowercase hex digits."""
+    return f"{zlib.crc32(config_text.encode('utf-8')) & 0xFFFFFFFF:08x}"
+
+
 def _show(value: object, limit: int = 80) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -148,13 +164,108 @@ class _Parser:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             self.fail("header", "UTF-8 JSON", f"invalid UTF-8 at byte {8 + exc.start}")
+        return self.parse_doc(self.scan(text), size, 8 + n)
+
+    # ---- bounded JSON -------------------------------------------------------------------------
+    def scan(self, text: str) -> dict[str, Any]:
+        """The header object, read member by member: tensor entries are parsed one at a time from at most
+        MAX_ENTRY_CHARS characters and counted, so a header of a million entries is refused after
+        MAX_TENSORS of them instead of being parsed in full (seconds and gigabytes)."""
+        pos = self.skip(text, 0)
+        if not text.startswith("{", pos):
+            self.fail("header", "a JSON object", self.type_at(text, pos))
+        doc: dict[str, Any] = {}
+        pos = self.skip(text, pos + 1)
+        if text.startswith("}", pos):
+            pos += 1
+        else:
+            while True:
+                key, pos = self.key(text, pos, doc)
+                if key == "__metadata__":
+                    doc[key], pos = self.scan_metadata(text, pos)
+                else:
+                    if len(doc) >= MAX_TENSORS + 1:
+                        self.fail("header", f"at most {MAX_TENSORS} tensor entries", "more")
+                    doc[key], pos = self.value(text, pos, f"tensor {_show(key)}", MAX_ENTRY_CHARS)
+                pos, more = self.after_member(text, pos)
+                if not more:
+                    break
+        if self.skip(text, pos) != len(text):
+            self.fail("header", "a well-formed JSON object", f"invalid JSON (extra data at char {pos})")
+        return doc
+
+    def scan_metadata(self, text: str, pos: int) -> tuple[Any, int]:
+        """`__metadata__`: an object of strings (anything else is refused before it is parsed)."""
+        if not text.startswith("{", pos):
+            found = self.type_at(text, pos)
+            self.fail("__metadata__", "an object of strings (not a tinyloop file?)", found)
+        meta: dict[str, str] = {}
+        pos = self.skip(text, pos + 1)
+        if text.startswith("}", pos):
+            return meta, pos + 1
+        while True:
+            key, pos = self.key(text, pos, meta)
+            if len(meta) >= MAX_METADATA_KEYS:
+                self.fail("__metadata__", f"at most {MAX_METADATA_KEYS} keys", "more")
+            if not text.startswith('"', pos):
+                self.fail(f"metadata {key!r}", "a string", self.type_at(text, pos))
+            meta[key], pos = self.string(text, pos + 1)
+            pos, more = self.after_member(text, pos)
+            if not more:
+                return meta, pos
+
+    def key(self, text: str, pos: int, seen: dict[str, Any]) -> tuple[str, int]:
+        if not text.startswith('"', pos):
+            self.fail("header", "a well-formed JSON object", f"invalid JSON (a key expected at char {pos})")
+        key, pos = self.string(text, pos + 1)
+        if key in seen:
+            self.fail("header", "a well-formed JSON object", f"invalid JSON (duplicate key {key!r})")
+        pos = self.skip(text, pos)
+        if not text.startswith(":", pos):
+            self.fail("header", "a well-formed JSON object", f"invalid JSON (':' expected at char {pos})")
+        return key, self.skip(text, pos + 1)
+
+    def string(self, text: str, pos: int) -> tuple[str, int]:
         try:
-            doc = _loads(text)
-        except (ValueError, RecursionError) as exc:
+            return scanstring(text, pos, True)
+        except ValueError as exc:
             self.fail("header", "a well-formed JSON object", f"invalid JSON ({_clip(str(exc))})")
-        if not isinstance(doc, dict):
-            self.fail("header", "a JSON object", _type_name(doc))
-        return self.parse_doc(doc, size, 8 + n)
+
+    def value(self, text: str, pos: int, what: str, limit: int) -> tuple[Any, int]:
+        try:
+            value, length = _DECODER.raw_decode(text[pos : pos + limit])
+        except (ValueError, RecursionError) as exc:
+            if len(text) - pos > limit:
+                self.fail(what, f"a JSON value of at most {limit} characters", "a longer or malformed one")
+            self.fail("header", "a well-formed JSON object", f"invalid JSON ({_clip(str(exc))})")
+        return value, pos + length
+
+    def after_member(self, text: str, pos: int) -> tuple[int, bool]:
+        pos = self.skip(text, pos)
+        if text.startswith(",", pos):
+            return self.skip(text, pos + 1), True
+        if text.startswith("}", pos):
+            return pos + 1, False
+        self.fail("header", "a well-formed JSON object", f"invalid JSON (',' or '}}' expected at char {pos})")
+
+    @staticmethod
+    def skip(text: str, pos: int) -> int:
+        match = _WHITESPACE.match(text, pos)
+        assert match is not None
+        return match.end()
+
+    @staticmethod
+    def type_at(text: str, pos: int) -> str:
+        return "nothing" if pos >= len(text) else _FIRST_CHAR_TYPE.get(text[pos], "number")
+
+    def bounded_json(self, key: str, text: str) -> None:
+        """Refuse a metadata JSON document too long or with too many objects and arrays to need parsing."""
+        max_chars, max_containers = METADATA_JSON_LIMITS[key]
+        if len(text) > max_chars:
+            self.fail(f"metadata {key!r}", f"at most {max_chars} characters", f"{len(text)}")
+        containers = text.count("{") + text.count("[")
+        if containers > max_containers:
+            self.fail(f"metadata {key!r}", f"at most {max_containers} objects and arrays", f"{containers}")
 
     # ---- JSON document ------------------------------------------------------------------------
     def parse_doc(self, doc: dict[str, Any], size: int, data_start: int) -> ModelHeader:
@@ -175,6 +286,7 @@ class _Parser:
         if unknown and not lenient:
             self.fail("metadata", f"only keys {sorted(known)} or 'x-' keys", f"unknown {_show(unknown)}")
         cfg = self.parse_config(meta["config"])
+        self.check_config_crc(meta["config"], meta.get("config_crc32"))
         entries = self.parse_entries({k: v for k, v in doc.items() if k != "__metadata__"})
         # A hostile config could claim millions of layers; bound it by the tensors actually present
         # before expanding the layout.
@@ -210,9 +322,22 @@ class _Parser:
             self.fail("metadata 'format_version'", f"major version {min(READ_VERSIONS)} to {newest}", raw)
         return version
 
+    def check_config_crc(self, text: str, crc: str | None) -> None:
+        if crc is None:
+            return
+        if _CRC_RE.fullmatch(crc) is None:
+            self.fail("metadata 'config_crc32'", "8 lowercase hex digits", _show(crc))
+        if config_crc32(text) != crc:
+            self.fail("metadata 'config'", f"a string whose CRC32 is {crc} ('config_crc32')", config_crc32(text))
+
     def parse_config(self, text: str) -> ArchConfig:
+        self.bounded_json("config", text)
         try:
             return ArchConfig.from_json(text)
+        except ConfigError as exc:
+            if exc.field is not None:
+                self.fail(f"metadata 'config' field {exc.field!r}", exc.expected, exc.found)
+            self.fail("metadata 'config'", "a valid architecture config", _clip(str(exc), 240))
         except (ValueError, TypeError, OverflowError, RecursionError) as exc:
             self.fail("metadata 'config'", "a valid architecture config", _clip(str(exc), 240))
 
@@ -222,6 +347,7 @@ class _Parser:
             return
         if cfg.tokenizer != "embedded":
             self.fail("metadata 'tokenizer'", "no tokenizer when the config's tokenizer is 'bytes'", "one")
+        self.bounded_json("tokenizer", text)
         try:
             parse_tokenizer_meta(text, cfg.vocab_size)
         except TokenizerMetaError as exc:
@@ -249,8 +375,10 @@ class _Parser:
             entries[name] = TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
         return entries
 
-    def json_object(self, what: str, text: str) -> dict[str, Any]:
+    def json_object(self, key: str, text: str) -> dict[str, Any]:
         """A metadata value that must be a JSON object."""
+        what = f"metadata {key!r}"
+        self.bounded_json(key, text)
         try:
             obj = _loads(text)
         except (ValueError, RecursionError) as exc:
@@ -261,7 +389,7 @@ class _Parser:
 
     def parse_quantization(self, text: str, cfg: ArchConfig, lenient: bool, version: tuple[int, int]) -> QuantInfo:
         what = "metadata 'quantization'"
-        obj = self.json_object(what, text)
+        obj = self.json_object("quantization", text)
         missing = [k for k in _QUANT_KEYS if k not in obj]
         extra = sorted(k for k in obj if k not in _QUANT_KEYS)
         if missing or (extra and not lenient):
@@ -366,7 +494,7 @@ class _Parser:
 
     def parse_checksums(self, text: str, entries: dict[str, TensorEntry]) -> dict[str, str]:
         what = "metadata 'checksums'"
-        obj = self.json_object(what, text)
+        obj = self.json_object("checksums", text)
         missing = [n for n in entries if n not in obj]
         extra = sorted(n for n in obj if n not in entries)
         if missing or extra:

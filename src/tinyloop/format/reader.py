@@ -1,8 +1,7 @@
-"""Load a `.tinyloop` file's weights as memory-mapped torch tensors, keyed by layout name."""
+"""Load a `.tinyloop` file's weights into memory the tensors own, keyed by layout name."""
 
 from __future__ import annotations
 
-import mmap
 import os
 import sys
 
@@ -10,7 +9,7 @@ import torch
 
 from tinyloop.errors import TinyLoopFormatError
 from tinyloop.format.checksums import corrupted_tensors
-from tinyloop.format.header import ModelHeader, TensorEntry, read_header
+from tinyloop.format.header import ModelHeader, read_header
 from tinyloop.layout import model_specs
 from tinyloop.quant import Int4Weight, Int8Weight
 from tinyloop.stochastic.weight import ChanneledInt4Weight
@@ -28,34 +27,37 @@ TORCH_DTYPES = {
 def load_weights(
     path: str | os.PathLike[str], device: str | torch.device = "cpu", header: ModelHeader | None = None
 ) -> tuple[ModelHeader, dict[str, Weight]]:
-    """Map the file and return its weights without reading them (pages load on first touch).
+    """Read the file's weights into private memory and return them keyed by layout name.
 
-    Only INT8/INT4 scales and minimums are read, to refuse NaN or infinite values.
+    The data section is read once, sequentially, into memory the returned tensors own: nothing keeps the
+    file open or mapped, so overwriting, truncating or deleting it afterwards cannot change or crash the
+    model. Every floating-point tensor (matrices, vectors, INT8/INT4 scales and minimums) is checked
+    finite; a NaN or infinite value is refused with a TinyLoopFormatError naming the tensor.
     """
     if sys.byteorder != "little":
         raise RuntimeError("reading .tinyloop files needs a little-endian machine")
     path = os.fspath(path)
     if header is None:
         header = read_header(path)
-    mapped = _map(path, header)
+    data = _read_tensors(path, header)
     weights: dict[str, Weight] = {}
     for spec in model_specs(header.config):
         tq = header.quantization.tensors[spec.name]
         if spec.role == "vector" or tq.kind == "dense":
-            weights[spec.name] = _view(mapped, header, spec.name).to(device)
+            weights[spec.name] = data[spec.name].to(device)
         elif tq.kind == "int8":
-            scale = _finite(mapped, header, f"{spec.name}.scale")
-            weights[spec.name] = Int8Weight(_view(mapped, header, f"{spec.name}.q8"), scale).to(device)
+            scale = data[f"{spec.name}.scale"]
+            weights[spec.name] = Int8Weight(data[f"{spec.name}.q8"], scale).to(device)
         else:
             assert tq.group_size is not None
-            scale = _finite(mapped, header, f"{spec.name}.scale")
-            minimum = _finite(mapped, header, f"{spec.name}.min")
-            packed = _view(mapped, header, f"{spec.name}.q4")
+            scale = data[f"{spec.name}.scale"]
+            minimum = data[f"{spec.name}.min"]
+            packed = data[f"{spec.name}.q4"]
             if tq.channel is None:
                 weights[spec.name] = Int4Weight(packed, scale, minimum, tq.group_size).to(device)
             else:
                 # Runs as plain INT4 unless cross-iteration rounding is switched on (runtime/loader.py).
-                channel = _view(mapped, header, f"{spec.name}.{tq.channel}")
+                channel = data[f"{spec.name}.{tq.channel}"]
                 w4 = ChanneledInt4Weight(packed, scale, minimum, tq.group_size, channel, tq.channel)
                 weights[spec.name] = w4.to(device)
     return header, weights
@@ -66,36 +68,36 @@ def verify_checksums(path: str | os.PathLike[str]) -> list[str]:
     return corrupted_tensors(read_header(path))
 
 
-def _map(path: str, header: ModelHeader) -> mmap.mmap:
+def _read_tensors(path: str, header: ModelHeader) -> dict[str, torch.Tensor]:
+    """Every stored tensor in its own fresh memory, read front to back with plain reads (a file that shrank
+    since its header was read gives a short read, refused, never a fault on a mapped page). Each float
+    tensor is checked finite as it arrives: a NaN norm weight would otherwise load and poison every output."""
+    out: dict[str, torch.Tensor] = {}
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            # A private copy-on-write map: tensors may be written to in memory, never the file.
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size == header.file_size else None
-    except (OSError, ValueError) as exc:
-        raise TinyLoopFormatError(
-            path, "file", "a file that can be memory-mapped", f"{type(exc).__name__}: {exc}"
-        ) from None
-    if mapped is None:
-        # Touching pages past the end of a shrunken file would crash the process (SIGBUS).
-        expected = f"{header.file_size} bytes (as when the header was read)"
-        raise TinyLoopFormatError(path, "file size", expected, f"{size} bytes")
-    return mapped
+            if size != header.file_size:
+                raise _changed(path, header, size)
+            f.seek(header.data_start)
+            for name, entry in header.tensors.items():  # file order: back to back from the data start
+                dtype = TORCH_DTYPES[entry.dtype]
+                t = torch.empty(entry.shape, dtype=dtype)
+                if entry.nbytes:
+                    view = t.view(-1).view(torch.uint8).numpy().data
+                    got = 0
+                    while got < entry.nbytes:
+                        n = f.readinto(view[got:])
+                        if not n:
+                            raise _changed(path, header, header.data_start + entry.start + got)
+                        got += n
+                    if dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+                        raise TinyLoopFormatError(path, f"tensor {name!r}", "finite values", "NaN or infinite values")
+                out[name] = t
+    except OSError as exc:
+        raise TinyLoopFormatError(path, "file", "a readable file", f"{type(exc).__name__}: {exc}") from None
+    return out
 
 
-def _view(mapped: mmap.mmap, header: ModelHeader, name: str) -> torch.Tensor:
-    entry: TensorEntry = header.tensors[name]
-    dtype = TORCH_DTYPES[entry.dtype]
-    count = entry.nbytes // dtype.itemsize
-    if count == 0:
-        return torch.empty(entry.shape, dtype=dtype)
-    # frombuffer keeps a reference to the map, which stays open as long as any tensor uses it.
-    flat = torch.frombuffer(mapped, dtype=dtype, count=count, offset=header.data_start + entry.start)
-    return flat.view(entry.shape)
-
-
-def _finite(mapped: mmap.mmap, header: ModelHeader, name: str) -> torch.Tensor:
-    t = _view(mapped, header, name)
-    if not bool(torch.isfinite(t).all()):
-        raise TinyLoopFormatError(header.path, f"tensor {name!r}", "finite values", "NaN or infinite values")
-    return t
+def _changed(path: str, header: ModelHeader, size: int) -> TinyLoopFormatError:
+    expected = f"{header.file_size} bytes (as when the header was read)"
+    return TinyLoopFormatError(path, "file size", expected, f"{size} bytes (the file changed)")

@@ -10,14 +10,28 @@ from tinyloop.layout import TensorSpec, model_specs
 from tinyloop.stochastic.channel_kinds import Channel
 
 FORMAT_NAME = "tinyloop"
-# Files without rounding channels are written as 1.0, so every reader of 1.x keeps reading them.
-FORMAT_VERSION = (1, 0)
+# Files without rounding channels are written as 1.1, so every reader of 1.x keeps reading them (1.1 adds
+# the optional `config_crc32` key, which a 1.0 reader skips as a newer minor version's key).
+FORMAT_VERSION = (1, 1)
 FORMAT_VERSION_STR = f"{FORMAT_VERSION[0]}.{FORMAT_VERSION[1]}"
-# Rounding channels need 2.0: a 1.x reader refuses it with "upgrade tinyloop" (docs/format.md 12).
-CHANNEL_FORMAT_VERSION = (2, 0)
+# Rounding channels need 2.x: a 1.x reader refuses it with "upgrade tinyloop" (docs/format.md 12).
+CHANNEL_FORMAT_VERSION = (2, 1)
 # The newest minor version this reader knows, per major version it reads.
-READ_VERSIONS = {1: 0, 2: 0}
+READ_VERSIONS = {1: 1, 2: 1}
 MAX_HEADER_BYTES = 64 * 1024 * 1024
+# What the largest readable model needs (config.MAX_LAYERS layers of at most 26 stored tensors each, plus
+# embedding, head, norms and gate): a hostile header is refused after this many entries, not parsed in full.
+MAX_TENSORS = 8192
+MAX_METADATA_KEYS = 256
+MAX_ENTRY_CHARS = 4096  # one tensor entry's JSON value: dtype, a shape, two offsets
+# Per JSON document held in a metadata string: (characters, objects + arrays). Counting brackets is a
+# linear scan, so a document that would take seconds to parse is refused before parsing.
+METADATA_JSON_LIMITS = {
+    "config": (1 << 20, 4096),
+    "quantization": (8 << 20, MAX_TENSORS + 16),
+    "checksums": (4 << 20, 16),
+    "tokenizer": (MAX_HEADER_BYTES, 1 << 21),
+}
 # The writer starts every tensor whose byte size is a multiple of this at a multiple of it.
 DATA_ALIGNMENT = 64
 DTYPE_SIZES = {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1}
@@ -25,7 +39,7 @@ FLOAT_DTYPES = ("F32", "F16", "BF16")
 BITS = (4, 8, 16)
 GROUP_SIZES = (32, 64, 128)
 REQUIRED_METADATA = ("format", "format_version", "config", "quantization", "checksums")
-OPTIONAL_METADATA = ("tokenizer",)
+OPTIONAL_METADATA = ("tokenizer", "config_crc32")
 VECTOR_DTYPE = "F32"
 SCALE_DTYPE = "F16"
 

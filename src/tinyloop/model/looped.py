@@ -47,7 +47,7 @@ def run_prelude(w: ModelWeights, cfg: ArchConfig, x: torch.Tensor, ctx: StepCont
 def initial_state(
     cfg: ArchConfig, prelude_out: torch.Tensor, positions: torch.Tensor, noise: torch.Tensor | None
 ) -> torch.Tensor:
-    """The loop state before the first iteration. `noise` is a [max_position, d] table (random start)."""
+    """The loop state before the first iteration. `noise` is a [positions, d] table (random start)."""
     if cfg.state_start == "prelude":
         return prelude_out
     if cfg.state_start == "zeros":
@@ -56,15 +56,22 @@ def initial_state(
     return noise[positions].to(prelude_out.dtype)
 
 
-def state_noise_table(cfg: ArchConfig, device: torch.device | str) -> torch.Tensor | None:
+NOISE_BLOCK_ROWS = 256
+
+
+def state_noise_table(cfg: ArchConfig, positions: int, device: torch.device | str) -> torch.Tensor | None:
     """Seeded truncated-normal start states, one row per position, so a position's start never depends
-    on how the sequence was split into steps."""
+    on how the sequence was split into steps. Rows come in blocks with their own seeds, so a table of
+    any length holds the same rows as a longer one: the table is sized by the run, not by max_position."""
     if cfg.state_start != "random":
         return None
-    gen = torch.Generator().manual_seed(cfg.state_init_seed)
     std = cfg.state_init_std
-    table = torch.empty(cfg.max_position, cfg.d_model, dtype=torch.float32)
-    torch.nn.init.trunc_normal_(table, 0.0, std, -3 * std, 3 * std, generator=gen)
+    table = torch.empty(positions, cfg.d_model, dtype=torch.float32)
+    for block, rows in enumerate(table.split(NOISE_BLOCK_ROWS)):
+        gen = torch.Generator().manual_seed((cfg.state_init_seed ^ (block * 0x9E3779B97F4A7C15)) % 2**64)
+        full = torch.empty(NOISE_BLOCK_ROWS, cfg.d_model, dtype=torch.float32)
+        torch.nn.init.trunc_normal_(full, 0.0, std, -3 * std, 3 * std, generator=gen)
+        rows.copy_(full[: len(rows)])
     return table.to(device)
 
 

@@ -50,6 +50,7 @@ class Engine:
         device: torch.device,
         dtype: torch.dtype,
         l2_window: L2Window | None = None,
+        max_positions: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.weights = weights
@@ -58,12 +59,25 @@ class Engine:
         # Where the looped weights sit in one arena that L2 keeps (kernels/l2_residency.py): decode graphs
         # are captured from a stream carrying this window.
         self.l2_window = l2_window
-        self.cos, self.sin = rope_tables(cfg, cfg.max_position, device)
-        self.noise = state_noise_table(cfg, device)
-        self.decoder: Decoder | None = select_decoder(self)
         # Steps run one at a time: the decoders keep per-batch-size workspaces between steps.
         self.lock = threading.RLock()
         self.closed = False
+        self.decoder: Decoder | None = None
+        self.reserve_positions(cfg.max_position if max_positions is None else max_positions)
+
+    def reserve_positions(self, positions: int) -> None:
+        """Size the position tables (RoPE, start-state noise) for `positions` (at most the model's
+        max_position); they are built for what a run asks for, never for the header's maximum."""
+        if not 1 <= positions <= self.cfg.max_position:
+            limit = self.cfg.max_position
+            raise ValueError(f"positions must be in [1, {limit}] (the model's max_position), got {positions}")
+        with self.lock:
+            self.max_positions = positions
+            self.cos, self.sin = rope_tables(self.cfg, positions, self.device)
+            self.noise = state_noise_table(self.cfg, positions, self.device)
+            if self.decoder is not None:  # it holds the old tables
+                self.decoder.release()
+            self.decoder = select_decoder(self)
 
     def close(self) -> None:
         """Releases the decoder's graphs and scratch now and drops the decoder, whose reference back to this
@@ -133,8 +147,9 @@ class Engine:
                 raise ValueError(f"this cache holds {cache.loops} loops; {loops} were asked")
             if end > cache.max_seq:
                 raise ValueError(f"sequence of {end} tokens exceeds the cache's max_seq_len {cache.max_seq}")
-        if end > self.cfg.max_position:
-            raise ValueError(f"position {end} exceeds the model's maximum position {self.cfg.max_position}")
+        if end > self.max_positions:
+            limit = "maximum position" if self.max_positions == self.cfg.max_position else "max_seq_len"
+            raise ValueError(f"position {end} exceeds the model's {limit} {self.max_positions}")
         dense = cache is None or (isinstance(cache, KVCache) and cache.k.dtype == self.dtype)
         if self.decoder is not None and dense and not collect_states:
             kv = cache if isinstance(cache, KVCache) else None

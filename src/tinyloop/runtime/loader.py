@@ -128,9 +128,19 @@ def dequantize_int4_cpu(w: Int4Weight) -> torch.Tensor:
 
 
 def load_engine(
-    path: str | Path, device: torch.device, dtype: torch.dtype | None = None, cross_iter: CrossIterRound | None = None
+    path: str | Path,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    cross_iter: CrossIterRound | None = None,
+    max_positions: int | None = None,
 ) -> tuple[ModelHeader, Engine]:
+    """max_positions: how many positions the run needs (position tables are sized by it; at most the model's
+    max_position, which is the default)."""
     header = read_header(path)
+    if max_positions is not None and not 1 <= max_positions <= header.config.max_position:
+        raise ValueError(
+            f"max_seq_len must be in [1, {header.config.max_position}] (the model's max_position), got {max_positions}"
+        )
     _, flat = load_weights(path, device="cpu", header=header)
     compute = dtype or default_dtype(device, header.config)
     int4_matmuls = device.type == "cpu" and compute == torch.bfloat16
@@ -159,7 +169,7 @@ def load_engine(
     prepared = {**dense, **kept}
     weights = ModelWeights.from_flat(header.config, prepared)
     l2_window = None if l2_plan is None else l2_plan.window
-    engine = Engine(header.config, weights, device, compute, l2_window=l2_window)
+    engine = Engine(header.config, weights, device, compute, l2_window=l2_window, max_positions=max_positions)
     if log_level() >= 2:
         report_load(header.path, flat, prepared, engine)
     return header, engine
