@@ -164,7 +164,6 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 # What the runtime can honour. A file outside these ranges is refused at load, before anything is
 # allocated (docs/format.md, "2.4 Config ranges").
 MAX_POSITION = 1 << 20  # RoPE positions; tables are sized by the run's max_seq_len, never by this
-MAX_LOOPS = 1024  # loop iterations, default_loops included; each one is a full pass of the body
 MAX_LAYERS = 256  # prelude + body + coda layers stored in one file
 MAX_VOCAB = 1 << 24
 MAX_WIDTH = 1 << 17  # d_model and ffn_dim
