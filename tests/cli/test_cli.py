@@ -22,7 +22,7 @@ def test_generate_streams_prompt_and_continuation(tiny_files) -> None:
     assert res.stdout.startswith(b"hi") and len(res.stdout) == 2 + 9 + 1
     err = res.stderr.decode()
     assert "prefill:" in err and "tokens/s" in err
-    assert "test-tiny-int4.tinyloop: format 1.0, 4-bit" in err  # level-1 header
+    assert "test-tiny-int4.tinyloop: format 1.1, 4-bit" in err  # level-1 header
 
 
 def test_generate_greedy_is_repeatable_and_log_level_zero_is_quiet(tiny_files) -> None:
