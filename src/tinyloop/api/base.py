@@ -16,6 +16,7 @@ import torch
 
 from tinyloop import log
 from tinyloop.api.arguments import checked_loops, compute_dtype
+from tinyloop.api.decoding import depth_schedule, finish_stream, grammar_index, model_vocab
 from tinyloop.api.handles import CacheHandle
 from tinyloop.api.tokens import as_token_array
 from tinyloop.builtin import resolve_model
@@ -28,8 +29,9 @@ from tinyloop.format.header import read_header
 from tinyloop.format.tokenizer_meta import parse_tokenizer_meta
 from tinyloop.kernels import l2_residency
 from tinyloop.model.weights import weight_bytes
-from tinyloop.runtime.generate import GenerationStats
+from tinyloop.runtime.generate import stream_tokens
 from tinyloop.runtime.loader import load_engine, pick_device
+from tinyloop.runtime.stats import GenerationStats
 from tinyloop.sampling import SamplingParams
 from tinyloop.stochastic.weight import CrossIterRound
 from tinyloop.text.bytes import ByteTokenizer
@@ -172,6 +174,28 @@ class ModelBase:
             raise ValueError(
                 f"prompt ({tokens} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len {self.max_seq_len}"
             )
+
+    def _stream(self, ids: torch.Tensor, params: SamplingParams, text: bool) -> Iterator[Any]:
+        """The token stream of one request (validated arguments); its cache is taken on the first next()."""
+        self._check_room(int(ids.numel()), params.max_tokens)
+        assert params.loops is not None
+        schedule = depth_schedule(params.l_warmup_tokens, params.l_warmup_loops, params.loops)
+        cfg = self.header.config
+        needs_vocab = params.grammar is not None or params.stop or text
+        vocab = model_vocab(cfg, self._tokenizer_json()) if needs_vocab else None
+        index = grammar_index(params.grammar, vocab, self._engine.device) if vocab is not None else None
+        self.last_stats = stats = GenerationStats()
+        engine = self._engine
+
+        def tokens() -> Iterator[int]:
+            assert params.loops is not None
+            with self._request_cache(params.loops) as cache:
+                yield from stream_tokens(
+                    engine, cache, ids, params.max_tokens, params.loops, params, stats,
+                    grammar=index, stop_tokens=params.stop_tokens, schedule=schedule,
+                )  # fmt: skip
+
+        return finish_stream(tokens(), vocab, list(params.stop), text, stats)
 
     # ---- working caches -----------------------------------------------------------------------
     @contextmanager

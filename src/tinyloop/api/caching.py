@@ -16,7 +16,7 @@ from tinyloop.cache.base import ModeCache, copy_out
 from tinyloop.cache.factory import kv_bytes_per_token
 from tinyloop.cache.pool import PrefixPool
 from tinyloop.runtime.continuation import continue_tokens
-from tinyloop.runtime.generate import GenerationStats
+from tinyloop.runtime.stats import GenerationStats
 from tinyloop.sampling import SamplingParams
 
 H = TypeVar("H", bound=CacheHandle)

@@ -10,18 +10,16 @@ import numpy as np
 import torch
 
 from tinyloop.api.base import MiB
+from tinyloop.api.batch import BatchMixin
 from tinyloop.api.caching import CachingMixin
-from tinyloop.api.decoding import depth_schedule, finish_stream, grammar_index, model_vocab
 from tinyloop.api.introspection import IntrospectionMixin
 from tinyloop.api.speculative import SpeculativeMixin
 from tinyloop.api.text import TextMixin
 from tinyloop.model.weights import weight_bytes
-from tinyloop.runtime.generate import GenerationStats, stream_tokens
 from tinyloop.runtime.token_exit import report_token_exit, score_with_token_exit
-from tinyloop.sampling import SamplingParams
 
 
-class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
+class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin, BatchMixin):
     """A loaded `.tinyloop` model (or a built-in one, by name).
 
     Token inputs are 1-D np.ndarray[int32] (lists accepted; other dtypes only when lossless).
@@ -130,28 +128,6 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin):
             l_warmup_loops=l_warmup_loops,
         )  # fmt: skip
         return self._stream(ids, params, bool(text))
-
-    def _stream(self, ids: torch.Tensor, params: SamplingParams, text: bool) -> Iterator[Any]:
-        """The token stream of one request (validated arguments); its cache is taken on the first next()."""
-        self._check_room(int(ids.numel()), params.max_tokens)
-        assert params.loops is not None
-        schedule = depth_schedule(params.l_warmup_tokens, params.l_warmup_loops, params.loops)
-        cfg = self.header.config
-        needs_vocab = params.grammar is not None or params.stop or text
-        vocab = model_vocab(cfg, self._tokenizer_json()) if needs_vocab else None
-        index = grammar_index(params.grammar, vocab, self._engine.device) if vocab is not None else None
-        self.last_stats = stats = GenerationStats()
-        engine = self._engine
-
-        def tokens() -> Iterator[int]:
-            assert params.loops is not None
-            with self._request_cache(params.loops) as cache:
-                yield from stream_tokens(
-                    engine, cache, ids, params.max_tokens, params.loops, params, stats,
-                    grammar=index, stop_tokens=params.stop_tokens, schedule=schedule,
-                )  # fmt: skip
-
-        return finish_stream(tokens(), vocab, list(params.stop), text, stats)
 
     def generate(
         self,

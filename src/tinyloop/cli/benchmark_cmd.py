@@ -18,6 +18,8 @@ from tinyloop.cli.args import (
 from tinyloop.cli.inspect_cmd import parse_or_exit_code
 
 if TYPE_CHECKING:
+    from collections.abc import Iterator
+
     import torch
 
     from tinyloop.runtime.benchmark import BenchmarkConfig, BenchmarkResult
@@ -104,9 +106,14 @@ def benchmark_file(
     from tinyloop.runtime.benchmark import run_benchmark as measure
 
     bench.check(read_header(resolve_model(path)).config)
-    with Model(path, max_seq_len=bench.seq_len + bench.decode, device=device, dtype=dtype) as model:
-        # The engine Model built, switches applied; timed directly so no API overhead is counted.
-        return measure(model._engine, model.header, bench)
+    with Model(path, max_seq_len=bench.seq_len + bench.decode + 1, device=device, dtype=dtype) as model:
+
+        def generate_rows(prompts: torch.Tensor, max_tokens: int) -> Iterator[tuple[int, int]]:
+            rows = list(prompts.cpu().numpy())
+            return model.generate_batch_stream(rows, max_tokens, bench.loops, temperature=0.0)
+
+        # Scoring is timed on the engine Model built (switches applied); decoding through the API.
+        return measure(model._engine, model.header, bench, generate_rows)
 
 
 def render(result: BenchmarkResult) -> str:

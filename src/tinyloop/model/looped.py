@@ -142,6 +142,7 @@ def forward(
     on_state: Callable[[int, torch.Tensor], None] | None = None,
     resume: tuple[torch.Tensor, torch.Tensor] | None = None,
     start_loop: int = 0,
+    depth: torch.Tensor | None = None,
 ) -> ForwardOutput:
     """Full forward of tokens [B, T] at `loops` iterations; caches are read and written through ctx.
 
@@ -149,6 +150,8 @@ def forward(
     runs on every position, since later tokens attend to its K/V.
     resume=(loop_state, prelude_out) with start_loop=k continues a forward that already ran k
     iterations on these positions: only iterations k..loops-1, the coda and the head run.
+    depth ([B], on the device): per-row iterations (<= loops); a row past its depth keeps its state
+    through the remaining iterations, whose K/V it writes to slots it never reads.
     """
     states: list[torch.Tensor] | None = [] if collect_states else None
     if resume is None:
@@ -163,7 +166,8 @@ def forward(
         s, p = resume
     gates: list[torch.Tensor] = []
     for t in range(start_loop, loops):
-        s = loop_iteration(w, cfg, s, p, ctx, t)
+        nxt = loop_iteration(w, cfg, s, p, ctx, t)
+        s = nxt if depth is None else torch.where((depth > t).view(-1, 1, 1), nxt, s)
         if states is not None:
             states.append(s)
         if w.exit_gate_weight is not None:

@@ -21,8 +21,8 @@ from tinyloop.model.looped import embed, exit_hidden, gate_logit, head, initial_
 from tinyloop.runtime.depth_schedule import fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.family_exit import ExitRule, check_supported, exit_logits
-from tinyloop.runtime.generate import GenerationStats
 from tinyloop.runtime.sampling import sample_next
+from tinyloop.runtime.stats import GenerationStats
 from tinyloop.sampling import SamplingParams
 
 CRITERIA = ("kl", "entropy", "argmax", "latent", "gate")

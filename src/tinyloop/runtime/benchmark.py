@@ -11,13 +11,13 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from tinyloop.cache.kv import KVCache
 from tinyloop.config import ArchConfig
 from tinyloop.env import RuntimeEnv
 from tinyloop.format.header import ModelHeader
@@ -269,29 +269,31 @@ def work_split(engine: Engine, tokens: torch.Tensor, loops: int) -> dict[str, fl
     return split
 
 
-def time_decode(engine: Engine, tokens: torch.Tensor, loops: int, steps: int, cache: KVCache) -> tuple[float, float]:
-    """(prefill seconds, seconds of `steps` greedy cached decode steps) for prompt rows `tokens` [B, T].
+# generate_rows(prompts [B, T], max_tokens) -> (row, token) as generated: the API's batched greedy stream.
+RowGenerator = Callable[[torch.Tensor, int], Iterator[tuple[int, int]]]
 
-    `cache` (from `engine.new_cache`, room for T + steps tokens) is emptied first.
-    """
-    cache.truncate(0)
-    synchronize(engine.device)
+
+def time_decode(generate_rows: RowGenerator, tokens: torch.Tensor, steps: int) -> tuple[float, float]:
+    """(prefill seconds, seconds of `steps` decode steps) of greedy generation after prompt rows `tokens`
+    [B, T], through the same generation path users call: the prefill ends with every row's first token."""
+    rows = tokens.shape[0]
+    seen = 0
     t0 = time.perf_counter()
-    logits = engine.step(tokens, cache, loops, last_only=True).logits
-    assert logits is not None
-    nxt = logits[:, -1].argmax(-1, keepdim=True)  # [B, 1], stays on the device
-    synchronize(engine.device)
-    t1 = time.perf_counter()
-    for _ in range(steps):
-        logits = engine.step(nxt, cache, loops, last_only=True).logits
-        assert logits is not None
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
-    synchronize(engine.device)
+    t1 = t0
+    for _ in generate_rows(tokens, steps + 1):
+        seen += 1
+        if seen == rows:
+            t1 = time.perf_counter()
+    if seen != rows * (steps + 1):
+        raise RuntimeError(f"the decode benchmark generated {seen} tokens, not {rows * (steps + 1)}")
     return t1 - t0, time.perf_counter() - t1
 
 
-def run_benchmark(engine: Engine, header: ModelHeader, bench: BenchmarkConfig) -> BenchmarkResult:
-    """Measure `engine` as `bench` says (bench.check(cfg) first: ValueError for out-of-range values)."""
+def run_benchmark(
+    engine: Engine, header: ModelHeader, bench: BenchmarkConfig, generate_rows: RowGenerator | None = None
+) -> BenchmarkResult:
+    """Measure `engine` as `bench` says (bench.check(cfg) first: ValueError for out-of-range values).
+    bench.decode needs `generate_rows`, the API's batched greedy generation (Model.generate_batch_stream)."""
     cfg = engine.cfg
     bench.check(cfg)
     tokens = synthetic_tokens(cfg.vocab_size, bench.batch, bench.seq_len, bench.seed).to(engine.device)
@@ -327,10 +329,11 @@ def run_benchmark(engine: Engine, header: ModelHeader, bench: BenchmarkConfig) -
         result.segments = {name: Latency.of([run[name] for run in segment_runs]) for name in segment_runs[0]}
         result.work = work_split(engine, tokens, bench.loops)
     if bench.decode:
-        cache = engine.new_cache(bench.batch, bench.seq_len + bench.decode, bench.loops)
+        if generate_rows is None:
+            raise ValueError("the decode benchmark needs the model's generation (generate_rows)")
         if warmup:
-            time_decode(engine, tokens, bench.loops, min(bench.decode, 4), cache)
-        runs = [time_decode(engine, tokens, bench.loops, bench.decode, cache) for _ in range(bench.decode_repeat)]
+            time_decode(generate_rows, tokens, min(bench.decode, 4))
+        runs = [time_decode(generate_rows, tokens, bench.decode) for _ in range(bench.decode_repeat)]
         result.decode = DecodeResult(
             tokens=bench.decode,
             prefill=Latency.of([r[0] for r in runs]),

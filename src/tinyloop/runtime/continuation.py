@@ -1,17 +1,17 @@
 """Decoding that starts from state a handle restored: the first logits come from a callback (a suffix
-prefill, a deeper resumed pass, or stored logits), then one cached (or recomputed) step per token."""
+prefill, a deeper resumed pass, or stored logits), then the decode loop as for any request."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 import torch
 
 from tinyloop.cache.base import StepCache
+from tinyloop.runtime.decode import Row, decode_rows
 from tinyloop.runtime.engine import Engine
-from tinyloop.runtime.generate import GenerationStats
-from tinyloop.runtime.sampling import sample_next
+from tinyloop.runtime.sampling import TokenPicker
+from tinyloop.runtime.stats import GenerationStats
 from tinyloop.sampling import SamplingParams
 
 
@@ -30,29 +30,6 @@ def continue_tokens(
     first_logits() prepares the cache to hold the whole sequence and returns the next-token logits [V];
     it runs lazily, on the first next(). With cache None every later step recomputes the sequence.
     """
-    stats.prompt_tokens = int(sequence.numel())
-    if max_tokens == 0:
-        return
-    gen = params.generator()
-    sync = engine.device.type == "cuda"
-    t0 = time.perf_counter()
-    token = sample_next(first_logits(), params.temperature, params.top_k, params.top_p, gen)
-    if sync:
-        torch.cuda.synchronize()
-    stats.prefill_s = time.perf_counter() - t0
-    stats.generated_tokens = 1
-    yield token
-    seq = sequence.to(torch.long).view(1, -1)
-    t1 = time.perf_counter()
-    for _ in range(max_tokens - 1):
-        step_input = torch.tensor([[token]])
-        if cache is None:
-            seq = torch.cat((seq, step_input), dim=1)
-            logits = engine.step(seq, None, loops, last_only=True).logits
-        else:
-            logits = engine.step(step_input, cache, loops, last_only=True).logits
-        assert logits is not None
-        token = sample_next(logits[0, -1], params.temperature, params.top_k, params.top_p, gen)
-        stats.generated_tokens += 1
-        stats.decode_s = time.perf_counter() - t1
-        yield token
+    row = Row(sequence, loops, max_tokens, TokenPicker(params, None, params.stop_tokens), stats=stats,
+              start=first_logits)  # fmt: skip
+    yield from (token for _, token in decode_rows(engine, cache, [row]))

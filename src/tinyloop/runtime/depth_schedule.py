@@ -37,8 +37,9 @@ class DepthSchedule:
         return min(self.warmup_loops, loops) if 1 <= decode_step <= self.warmup_tokens else loops
 
 
-def fill_skipped_iterations(cache: Any, ran: int, loops: int, start: int, end: int) -> None:
-    """Copy iteration ran-1's body K/V at positions [start, end) into iterations ran..loops-1."""
+def fill_skipped_iterations(cache: Any, ran: int, loops: int, start: int, end: int, row: int | None = None) -> None:
+    """Copy iteration ran-1's body K/V at positions [start, end) into iterations ran..loops-1 (of every
+    batch row, or of `row` only)."""
     if ran >= loops:
         return
     cfg = cache.cfg
@@ -56,6 +57,8 @@ def fill_skipped_iterations(cache: Any, ran: int, loops: int, start: int, end: i
     for buf, axis in buffers:
         for index, length in spans:
             span = buf.narrow(axis, index, length)
+            if row is not None:
+                span = span.narrow(1, row, 1)  # buffers are [slots, batch, ...]
             span[dst] = span[src]
 
 

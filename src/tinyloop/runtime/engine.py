@@ -110,6 +110,7 @@ class Engine:
         start: torch.Tensor | None = None,
         resume: tuple[torch.Tensor, torch.Tensor] | None = None,
         start_loop: int = 0,
+        depth: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run tokens [B, T] (right-padded; `valid[b]` real tokens in row b) through the model.
 
@@ -117,12 +118,15 @@ class Engine:
         whole sequence from position 0). `start` ([B]) places them at other positions instead, e.g. to
         recompute positions already in the cache deeper: with resume=(loop_state, prelude_out) and
         start_loop=k only iterations k..loops-1, the coda and the head run (warm start, verification).
+        depth ([B]): per-row iterations, at most `loops` (rows past theirs keep their state; see `forward`).
         Thread-safe (steps are serialised); raises ModelClosedError once the engine is closed.
         """
         with self.lock, torch.inference_mode():
             if self.closed:
                 raise ModelClosedError()
-            return self._step(tokens, cache, loops, valid, last_only, collect_states, start, resume, start_loop)
+            if depth is not None and bool((depth == loops).all()):
+                depth = None
+            return self._step(tokens, cache, loops, valid, last_only, collect_states, start, resume, start_loop, depth)
 
     def _step(
         self,
@@ -135,6 +139,7 @@ class Engine:
         start: torch.Tensor | None,
         resume: tuple[torch.Tensor, torch.Tensor] | None,
         start_loop: int,
+        depth: torch.Tensor | None,
     ) -> ForwardOutput:
         B, T = tokens.shape
         valid_cpu = torch.full((B,), T, dtype=torch.long) if valid is None else valid.to("cpu", torch.long)
@@ -151,7 +156,7 @@ class Engine:
             limit = "maximum position" if self.max_positions == self.cfg.max_position else "max_seq_len"
             raise ValueError(f"position {end} exceeds the model's {limit} {self.max_positions}")
         dense = cache is None or (isinstance(cache, KVCache) and cache.k.dtype == self.dtype)
-        if self.decoder is not None and dense and not collect_states:
+        if self.decoder is not None and dense and not collect_states and depth is None:
             kv = cache if isinstance(cache, KVCache) else None
             handled = self.decoder.decode(tokens, kv, loops, valid, last_only, start, resume, start_loop)
             if handled is not None:
@@ -169,7 +174,7 @@ class Engine:
             out = forward(
                 self.weights, self.cfg, tokens.to(self.device), ctx, loops,
                 dtype=self.dtype, noise=self.noise, last_index=last_index, collect_states=collect_states,
-                resume=resume, start_loop=start_loop,
+                resume=resume, start_loop=start_loop, depth=None if depth is None else depth.to(self.device),
             )  # fmt: skip
         if cache is not None:
             cache.lengths = torch.maximum(cache.lengths, start + valid_cpu)

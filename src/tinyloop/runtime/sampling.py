@@ -1,10 +1,13 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p (pure functions of logits)."""
+"""Next-token sampling: greedy, temperature, top-k, top-p (pure functions of logits), and a request's
+picker that applies its grammar and stop tokens."""
 
 from __future__ import annotations
 
 import torch
 
 from tinyloop.errors import NonFiniteLogitsError
+from tinyloop.grammar.index import TokenIndex
+from tinyloop.sampling import SamplingParams
 
 
 def sample_next(
@@ -33,3 +36,45 @@ def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: 
         sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return probs
+
+
+class TokenPicker:
+    """Samples next tokens under a grammar and stop tokens, and tracks the grammar state."""
+
+    def __init__(self, params: SamplingParams, grammar: TokenIndex | None, stop_tokens: frozenset[int]) -> None:
+        self.params = params
+        self.gen = params.generator()
+        self.grammar = grammar
+        self.stop_tokens = stop_tokens
+        self.state = grammar.initial if grammar is not None else 0
+        self._stop_mask: torch.Tensor | None = None
+        if grammar is not None and stop_tokens:
+            self._stop_mask = torch.zeros(grammar.vocab_size, dtype=torch.bool, device=grammar.device)
+            self._stop_mask[[t for t in stop_tokens if t < grammar.vocab_size]] = True
+
+    def done(self, state: int | None = None) -> bool:
+        return self.grammar is not None and self.grammar.is_done(self.state if state is None else state)
+
+    def accepting(self) -> bool:
+        return self.grammar is None or self.grammar.is_final(self.state)
+
+    def constrain(self, logits: torch.Tensor, state: int | None = None) -> torch.Tensor:
+        """Logits with every token the grammar forbids in `state` (default: the current one) at -inf."""
+        if self.grammar is None:
+            return logits
+        state = self.state if state is None else state
+        if self._stop_mask is not None and self.grammar.is_final(state):
+            forbidden = ~(self.grammar.allowed(state) | self._stop_mask)
+        else:
+            forbidden = self.grammar.forbidden(state)
+        return logits.masked_fill(forbidden.to(logits.device), float("-inf"))
+
+    def pick(self, logits: torch.Tensor) -> int | None:
+        """The next token, or None when a stop token was sampled."""
+        p = self.params
+        token = sample_next(self.constrain(logits), p.temperature, p.top_k, p.top_p, self.gen)
+        if token in self.stop_tokens:
+            return None
+        if self.grammar is not None:
+            self.state = self.grammar.advance(self.state, token)
+        return token
