@@ -13,15 +13,22 @@ INTERPRET_MODULES = (
     "kernels/test_fused_decode.py",
     "stochastic/test_triton_interpreter.py",
 )
-# Other tests over ~2 s on the 2-core CPU VM (pytest --durations): `slow`. Every case of a parametrized test.
+# Other tests over ~1.3 s on an idle 2-core CPU VM (pytest --durations), mostly end-to-end CLI runs in a
+# subprocess: `slow`. An entry covers every case of a parametrized test.
 SLOW_TESTS = (
     "families/test_text_and_exits.py::test_cli_text_model_stop_strings_regex_and_warmup",
     "families/test_text_and_exits.py::test_cli_generate_is_tokenizer_first",
     "train/test_trainer.py::test_toy_training_learns_and_exports",
     "generation/test_cli_generation.py::test_speculate_stops_like_generate",
     "generation/test_cli_generation.py::test_generate_with_regex_json_schema_and_depth_schedule",
+    "generation/test_cli_generation.py::test_speculate_matches_generate_and_prints_stats",
+    "generation/test_cli_generation.py::test_speculate_with_depth_schedule_matches_generate",
+    "generation/test_spec_sampling.py::test_speculative_sampling_matches_the_verifier_end_to_end",
+    "engine/test_cpu_int4_decode.py::test_builtin_model_in_bfloat16_generates_as_float32",
     "cli/test_cli.py::test_generate_in_bfloat16_on_cpu_keeps_the_greedy_text",
     "cli/test_cli.py::test_generate_greedy_is_repeatable_and_log_level_zero_is_quiet",
+    "cli/test_cli.py::test_lens_prints_a_row_per_position_and_draws_a_heatmap",
+    "cli/test_benchmark.py::test_command_line_end_to_end",
     "cache/test_handle_lifetime.py::test_cli_cache_window",
     "cli/test_dtype_auto.py::test_speculate_takes_the_same_dtype_as_generate",
 )
