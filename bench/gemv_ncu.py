@@ -12,14 +12,8 @@ import torch
 
 from tinyloop.kernels import cuda_ops
 from tinyloop.kernels.cuda_backend import gluon_supported, staged_supported
+from tinyloop.kernels.policy import KernelPolicy
 from tinyloop.quant import BlockedInt4Weight
-
-
-def select_gemv(gluon: bool, staged: bool) -> None:
-    """KERNEL POLICY SWITCH: the one place this script chooses the one-row GEMV kernel (cuda_ops switches), until
-    cuda_ops takes the choice as a policy value."""
-    cuda_ops.USE_GLUON_GEMV = gluon and gluon_supported()
-    cuda_ops.USE_STAGED_GEMV = staged and staged_supported()
 
 
 def main() -> None:
@@ -27,7 +21,9 @@ def main() -> None:
     ap.add_argument("--triton", action="store_true", help="the Triton GEMV instead of the Gluon one")
     ap.add_argument("--staged", action="store_true", help="the staged GEMV (weights fetched by TMA before the wait)")
     args = ap.parse_args()
-    select_gemv(gluon=not args.triton, staged=args.staged)
+    policy = KernelPolicy(
+        gluon_gemv=not args.triton and gluon_supported(), staged_gemv=args.staged and staged_supported()
+    )
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n_rows, act in ((6144, cuda_ops.ACT_NONE), (2 * 5632, cuda_ops.ACT_SWIGLU)):
         k = 2048
@@ -43,7 +39,7 @@ def main() -> None:
         x = torch.randn(1, k, device="cuda", generator=gen).bfloat16()
         gain = (1 + 0.1 * torch.randn(k, device="cuda", generator=gen)).bfloat16()
         for w in copies:
-            cuda_ops.fused_linear(x, w, norm_weight=gain, eps=1e-6, act=act)
+            cuda_ops.fused_linear(policy, x, w, norm_weight=gain, eps=1e-6, act=act)
         torch.cuda.synchronize()
 
 

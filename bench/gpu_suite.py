@@ -34,7 +34,9 @@ import numpy as np
 import torch
 
 import tinyloop
+from tinyloop.env import RuntimeEnv
 from tinyloop.kernels import cuda_ops
+from tinyloop.kernels.cuda_backend import kernel_policy
 from tinyloop.quant import BlockedInt4Weight, Int4Weight, quantize_int4
 
 RESULTS: dict[str, Any] = {"errors": {}}
@@ -188,6 +190,7 @@ def quick_correctness_section() -> dict[str, Any]:
     ids = np.frombuffer(b"import os\n" * 30, dtype=np.uint8).astype(np.int32)
     sid = np.random.default_rng(0).integers(0, 32000, 120).astype(np.int32)
     kernels = {}
+    policy = kernel_policy(RuntimeEnv.read())  # what a CUDA engine here would run
     gen = torch.Generator().manual_seed(0)
     for rows, group in ((1, 64), (2, 64), (4, 64), (1, 32), (3, 128), (5, 64), (8, 64), (12, 64)):
         raw = torch.randn(2 * 1536, 2048, generator=gen) / 45
@@ -197,14 +200,14 @@ def quick_correctness_section() -> dict[str, Any]:
         xn = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * nw.double()
         g, u = (xn @ q.dequantize().cpu().double().T).chunk(2, dim=-1)
         for layout, w in (("plain", q), ("blocked", BlockedInt4Weight.from_int4(q))):
-            got = cuda_ops.fused_linear(x.cuda(), w, norm_weight=nw.cuda(), eps=1e-6, act=cuda_ops.ACT_SWIGLU)
+            got = cuda_ops.fused_linear(policy, x.cuda(), w, norm_weight=nw.cuda(), eps=1e-6, act=cuda_ops.ACT_SWIGLU)
             kernels[f"rows={rows} g{group} {layout} f32 rel_frob"] = rel(got.cpu(), torch.nn.functional.silu(g) * u)
     # bf16 through the blocked tensor-core kernel (the CPU interpreter cannot check bf16 tl.dot)
     for rows, group in ((5, 64), (16, 32), (9, 128)):
         raw = torch.randn(2048, 2048, generator=gen) / 45
         q = quantize_int4(raw, group)
         x = torch.randn(rows, 2048, generator=gen).bfloat16()
-        got = cuda_ops.fused_linear(x.cuda(), BlockedInt4Weight.from_int4(q).to("cuda"))
+        got = cuda_ops.fused_linear(policy, x.cuda(), BlockedInt4Weight.from_int4(q).to("cuda"))
         ref = x.double() @ q.dequantize().double().T
         kernels[f"rows={rows} g{group} blocked bf16 rel_frob"] = rel(got.float().cpu(), ref)
     return {

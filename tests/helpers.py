@@ -29,3 +29,15 @@ def max_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def frob_rel_error(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got.double() - ref.double()).norm() / ref.double().norm())
+
+
+def interpreter_policy(**choices: object) -> object:
+    """A KernelPolicy for Triton's CPU interpreter, which runs each program separately: few, large plain-GEMV
+    tiles keep the tests quick. `choices` replace fields of the default policy."""
+    from tinyloop.kernels.policy import KernelPolicy
+
+    class InterpreterPolicy(KernelPolicy):
+        def matvec_tile(self, n: int, k: int, rows: int, group: int) -> tuple[int, int, int]:
+            return 32, max(group, 64), 4
+
+    return InterpreterPolicy(**choices)  # type: ignore[arg-type]

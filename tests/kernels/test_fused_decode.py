@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import max_rel_error, random_flat_weights
+from helpers import interpreter_policy, max_rel_error, random_flat_weights
 from naive_reference import naive_forward
 from tinyloop.config import ArchConfig
 from tinyloop.kernels import cuda_ops
@@ -33,7 +33,9 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def build(variant: str, blocked: bool = False) -> tuple[ArchConfig, dict[str, torch.Tensor], Engine, Engine]:
+def build(
+    variant: str, blocked: bool = False, **policy: object
+) -> tuple[ArchConfig, dict[str, torch.Tensor], Engine, Engine]:
     """The same INT4 model twice: packed for the fused kernels (in the CUDA engine's blocked layout with
     64-column groups when `blocked`), dequantized for the generic path."""
     extra = dict(ffn_dim=128) if blocked else {}
@@ -46,7 +48,8 @@ def build(variant: str, blocked: bool = False) -> tuple[ArchConfig, dict[str, to
         packed = {n: BlockedInt4Weight.from_int4(w) if type(w) is Int4Weight else w for n, w in packed.items()}
     dense = {n: w.dequantize() if hasattr(w, "dequantize") else w for n, w in packed.items()}
     cpu = torch.device("cpu")
-    fused = Engine(cfg, ModelWeights.from_flat(cfg, packed), cpu, torch.float32)
+    kernel_policy = interpreter_policy(**{"blocked_tiles": WIDE_ONE_ROW_TILES, **policy})
+    fused = Engine(cfg, ModelWeights.from_flat(cfg, packed), cpu, torch.float32, kernel_policy=kernel_policy)  # type: ignore[arg-type]
     fused.decoder = FusedDecoder(fused, graphs=False)
     generic = Engine(cfg, ModelWeights.from_flat(cfg, dense), cpu, torch.float32)
     generic.decoder = None
@@ -60,9 +63,8 @@ WIDE_ONE_ROW_TILES = {(n, k, 1): (64, 1, 4) for n in range(1, 257) for k in (64,
 
 
 @pytest.mark.parametrize("variant", [*sorted(VARIANTS), "blocked:pre-concat-zeros-gqa", "blocked:ouro-like"])
-def test_fused_decode_matches_naive(variant: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fused_decode_matches_naive(variant: str) -> None:
     blocked = variant.startswith("blocked:")
-    monkeypatch.setattr(cuda_ops, "BLOCKED_CONFIGS", WIDE_ONE_ROW_TILES)
     cfg, dense, fused, _ = build(variant.removeprefix("blocked:"), blocked)
     loops = 2
     tokens = torch.randint(0, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(2)).tolist()
@@ -161,8 +163,10 @@ def test_cyclic_gc_paused_restores_the_collector_state() -> None:
         gc.enable()
 
 
-def test_engine_close_releases_the_decoder_and_steps_fall_back_to_generic() -> None:
-    cfg, _, fused, generic = build("interleaved-qkbias-add")
+def test_engine_close_releases_the_decoder_and_later_steps_raise() -> None:
+    from tinyloop.errors import ModelClosedError
+
+    cfg, _, fused, _ = build("interleaved-qkbias-add")
     tokens = torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
     decoder = fused.decoder
     assert isinstance(decoder, FusedDecoder)
@@ -170,9 +174,8 @@ def test_engine_close_releases_the_decoder_and_steps_fall_back_to_generic() -> N
     decoder.graph_bytes = 123
     fused.close()
     assert fused.decoder is None and decoder._scratch is None and decoder.graph_bytes == 0
-    got = fused.step(tokens, fused.new_cache(1, 8, 2), 2).logits
-    want = generic.step(tokens, generic.new_cache(1, 8, 2), 2).logits
-    assert max_rel_error(got, want) <= 1e-4
+    with pytest.raises(ModelClosedError, match="model was closed"):
+        fused.step(tokens, fused.new_cache(1, 8, 2), 2)
 
 
 @pytest.mark.parametrize("close", [True, False])
@@ -193,7 +196,7 @@ def test_engine_close_frees_it_without_the_cyclic_collector(close: bool) -> None
         gc.collect()
 
 
-def test_graphs_of_cublas_sized_steps_take_no_l2_window(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_graphs_of_cublas_sized_steps_take_no_l2_window() -> None:
     """Decode-sized graphs are captured with the engine's L2 window; graphs of steps whose GEMMs go to cuBLAS
     (a prefill, reading 16-bit copies of the body) without it, unless cuBLAS is off and the INT4 kernels read
     the body at every row count."""
@@ -204,12 +207,13 @@ def test_graphs_of_cublas_sized_steps_take_no_l2_window(monkeypatch: pytest.Monk
     assert isinstance(decoder, FusedDecoder)
     window = L2Window(4096, 8192, 1.0)
     fused.l2_window = window
-    largest_int4_step = max(cuda_ops.BLOCKED_GEMM_MAX_ROWS, cuda_ops.INT4_GEMM_MAX_ROWS)
+    largest_int4_step = fused.kernel_policy.blocked_gemm_max_rows
     assert decoder._graph_window(1) is window
     assert decoder._graph_window(largest_int4_step) is window
     assert decoder._graph_window(largest_int4_step + 1) is None
-    monkeypatch.setattr(cuda_ops, "USE_CUBLAS_16BIT", False)
-    assert decoder._graph_window(1024) is window
+    _, _, no_cublas, _ = build("interleaved-qkbias-add", cublas_16bit=False)
+    no_cublas.l2_window = window
+    assert isinstance(no_cublas.decoder, FusedDecoder) and no_cublas.decoder._graph_window(1024) is window
 
 
 @pytest.mark.parametrize("mode", ["given up", "switched off", "driver error", "no window"])
@@ -250,3 +254,17 @@ def test_persisting_share_given_up_during_prefills(mode: str, monkeypatch: pytes
     if dropped:  # what a windowed graph's replay does first (graphs need CUDA)
         decoder._restore_share()
         assert calls == ["drop", "set 4096"] and not decoder._share_dropped
+
+
+def test_fused_decoder_launches_with_its_engines_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    _, _, fused, _ = build("interleaved-qkbias-add", rope_block_rows=8)
+    policy = fused.kernel_policy
+    seen: list[object] = []
+    for name in ("fused_linear", "rms_norm", "add", "rope_attention", "rope_store", "cached_attention"):
+        launcher = getattr(cuda_ops, name)
+        monkeypatch.setattr(cuda_ops, name, lambda p, *a, _f=launcher, **k: seen.append(p) or _f(p, *a, **k))
+    cache = fused.new_cache(1, 8, 2)
+    fused.step(torch.tensor([[1, 2, 3]]), cache, 2)  # a fused prefill: RoPE + cache write, cached attention
+    fused.step(torch.tensor([[4]]), cache, 2, last_only=True)
+    assert seen and all(p is policy for p in seen)
+    assert policy.rope_block_rows == 8

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tinyloop.kernels import cuda_ops, gluon_gemv
+from tinyloop.kernels.policy import KernelPolicy
 from tinyloop.quant import BlockedInt4Weight, quantize_int4
 
 
@@ -86,11 +87,10 @@ def test_launcher_takes_only_what_the_kernel_is_written_for(monkeypatch: pytest.
 def test_one_row_dispatch_order(monkeypatch: pytest.MonkeyPatch, staged_on: bool, staged_runs: bool, gluon_on: bool,
                                 expected: list[str]) -> None:  # fmt: skip
     calls: list[str] = []
-    monkeypatch.setattr(cuda_ops, "USE_STAGED_GEMV", staged_on)
-    monkeypatch.setattr(cuda_ops, "USE_GLUON_GEMV", gluon_on)
+    policy = KernelPolicy(staged_gemv=staged_on, gluon_gemv=gluon_on)
     monkeypatch.setattr(cuda_ops, "_gemv_staged", lambda *a: calls.append("staged") or staged_runs)
     monkeypatch.setattr(cuda_ops, "_gemv_gluon", lambda *a: calls.append("gluon") or True)
-    ran = cuda_ops._gemv_one_row_gluon(*[None] * 7, {})
+    ran = cuda_ops._gemv_one_row_gluon(policy, *[None] * 7, {})
     assert calls == expected
     assert ran == ((staged_on and staged_runs) or gluon_on)
 
@@ -98,6 +98,6 @@ def test_one_row_dispatch_order(monkeypatch: pytest.MonkeyPatch, staged_on: bool
 @pytest.mark.parametrize(("n", "k", "act"), [(6144, 2048, 0), (5632, 2048, 1), (2048, 5632, 0), (32000, 2048, 0),
                                              (1152, 384, 1), (1000, 1024, 2)])  # fmt: skip
 def test_tiles_fit_a_warp(n: int, k: int, act: int) -> None:
-    rows, lanes_rows, per_thread, warps_rows, warps_blocks = cuda_ops._gluon_tile(n, k, act)
+    rows, lanes_rows, per_thread, warps_rows, warps_blocks = KernelPolicy().gluon_tile(n, k, act)
     assert 16 % lanes_rows == 0 and min(rows, per_thread, warps_rows, warps_blocks) >= 1
     assert (warps_rows * warps_blocks) & (warps_rows * warps_blocks - 1) == 0  # a power of two

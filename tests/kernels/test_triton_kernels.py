@@ -6,11 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import frob_rel_error
+from helpers import frob_rel_error, interpreter_policy
 from tinyloop.config import ArchConfig
-from tinyloop.kernels import cuda_ops as ops
+from tinyloop.kernels import cuda_ops
 from tinyloop.model.layers import apply_rope, rope_tables
 from tinyloop.quant import BlockedInt4Weight, Int4Weight, quantize_int4
+
+POLICY = interpreter_policy()
+ops = cuda_ops.CudaKernels(POLICY)  # type: ignore[arg-type]
 
 # float32 matches to rounding; 16-bit results are rounded to 16 bits at the same points as the reference.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
@@ -74,9 +77,9 @@ def test_blocked_int4_gemv_matches_reference(dtype: torch.dtype, rows: int, grou
     """The blocked-layout kernels with every fusion, against the plain-layout weight's float64 product: the
     GEMV (1-4 rows) and the split-K tensor-core kernel (5, 16 rows; K split in two where it is 320);
     K = 5 or 10 blocks leaves a partial tile of blocks, N = 37 a partial tile of features."""
-    if rows > ops.MATVEC_MAX_ROWS and dtype == torch.bfloat16:
+    if rows > POLICY.matvec_max_rows and dtype == torch.bfloat16:
         pytest.skip("Triton's interpreter multiplies bfloat16 tl.dot operands wrongly; checked on the GPU instead")
-    if rows <= ops.MATVEC_MAX_ROWS and dtype == torch.float16:
+    if rows <= POLICY.matvec_max_rows and dtype == torch.float16:
         pytest.skip("the GEMV's 16-bit path is covered by bfloat16")
     gen = torch.Generator().manual_seed(rows + group)
     K, N = 384 if group == 128 else 320, 37
@@ -105,8 +108,8 @@ def test_blocked_int4_gemv_matches_reference(dtype: torch.dtype, rows: int, grou
         assert frob_rel_error(got, ref) <= tol, kwargs
 
 
-@pytest.mark.parametrize("tile", sorted({*ops.BLOCKED_TILES.values(), (4, 16, 4), (8, 8, 4), (4, 32, 8), (4, 2, 1)}))
-def test_blocked_int4_gemv_tiles(tile: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("tile", [(4, 8, 2), (4, 16, 4), (8, 8, 4), (4, 32, 8), (4, 2, 1)])
+def test_blocked_int4_gemv_tiles(tile: tuple[int, int, int]) -> None:
     """Every built-in one-row tile (BLOCK_N, blocks per tile, warps) on a shape that leaves partial tiles of
     blocks (K = 5 blocks) and of features (N = 37), with the norm, SwiGLU and residual fused; 2-block tiles
     run the prefetching loop three times."""
@@ -117,18 +120,19 @@ def test_blocked_int4_gemv_tiles(tile: tuple[int, int, int], monkeypatch: pytest
     x = 3 * torch.randn(1, K, generator=gen)
     norm = 1 + 0.1 * torch.randn(K, generator=gen)
     residual = torch.randn(1, N, generator=gen)
-    monkeypatch.setitem(ops.BLOCKED_CONFIGS, (N, K, 1), tile)
+    ops = cuda_ops.CudaKernels(interpreter_policy(blocked_tiles={(N, K, 1): tile}))  # type: ignore[arg-type]
+    assert ops.policy.blocked_tile(N, K, 1) == tile
     got = ops.fused_linear(x, blocked, act=ops.ACT_SWIGLU, norm_weight=norm, eps=1e-6)
     assert frob_rel_error(got, reference(x.double(), dense, act=ops.ACT_SWIGLU, norm=norm)) <= 1e-5
     got = ops.fused_linear(x, _rows(blocked, N), residual=residual)
     assert frob_rel_error(got, reference(x.double(), dense[:N], residual=residual)) <= 1e-5
 
 
-def test_blocked_int4_prefill_paths_match_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_blocked_int4_prefill_paths_match_plain() -> None:
     """Many rows: the blocked weight dequantized for cuBLAS, and through the split-K kernel (cuBLAS switched
     off: two row tiles, the second partial), give the plain weight's results."""
     gen = torch.Generator().manual_seed(3)
-    x = torch.randn(ops.BLOCKED_GEMM_MAX_ROWS + 3, 256, generator=gen)
+    x = torch.randn(POLICY.blocked_gemm_max_rows + 3, 256, generator=gen)
     cases = []
     for group in (32, 64):
         plain = quantize_int4(torch.randn(48, 256, generator=gen), group)
@@ -137,51 +141,30 @@ def test_blocked_int4_prefill_paths_match_plain(monkeypatch: pytest.MonkeyPatch)
         cases.append((blocked, reference(x, plain.dequantize())))
     for blocked, ref in cases:
         assert frob_rel_error(ops.fused_linear(x, blocked), ref) <= 1e-5
-    monkeypatch.setattr(ops, "USE_CUBLAS_16BIT", False)
+    no_cublas = cuda_ops.CudaKernels(interpreter_policy(cublas_16bit=False))  # type: ignore[arg-type]
     for blocked, ref in cases:
-        assert frob_rel_error(ops.fused_linear(x, blocked), ref) <= 1e-5
+        assert frob_rel_error(no_cublas.fused_linear(x, blocked), ref) <= 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(
-    ("group", "config"),
-    [
-        (64, (32, 16, 64, 4, 2, 1)),  # three row tiles, the last partial; K = 5 tiles
-        (64, (64, 32, 128, 4, 3, 2)),  # two K splits, the second with a partial tile; N in one partial tile
-        (32, (16, 64, 32, 4, 2, 3)),  # 32-column blocks
-        (128, (32, 16, 64, 4, 2, 1)),  # the tile widened to a whole 128-column group
-    ],
-)
-def test_pipelined_int4_gemm_matches_reference(
-    dtype: torch.dtype, group: int, config: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Tens of rows of blocked INT4 through `_gemm_blocked_int4_kernel` (INT4_GEMM_MAX_ROWS raised past
-    them), with the norm, bias, SwiGLU, GELU and residual fused, against float64: partial row, feature and
-    K tiles, K splits, 32- to 128-column groups."""
-    gen = torch.Generator().manual_seed(group + config[0])
-    rows, K, N = 37, 320 if group < 128 else 384, 45
-    plain = quantize_int4(torch.randn(2 * N, K, generator=gen) / K**0.5, group)
-    blocked, dense = BlockedInt4Weight.from_int4(plain), plain.dequantize(torch.float64)
-    x = (2 * torch.randn(rows, K, generator=gen)).to(dtype)
+@pytest.mark.parametrize("rows", [5, 9])
+def test_plain_and_dense_products_without_cublas(dtype: torch.dtype, rows: int) -> None:
+    """cuBLAS switched off (TINYLOOP_DISABLE_CUBLAS_FP16): more rows than one GEMV takes run through it a few rows
+    at a time, with the norm, bias, SwiGLU and residual fused, for plain INT4 and 16-bit weights."""
+    gen = torch.Generator().manual_seed(rows)
+    K, N = 128, 40
+    raw = torch.randn(2 * N, K, generator=gen) / K**0.5
     norm = 1 + 0.1 * torch.randn(K, generator=gen)
-    bias, residual = torch.randn(N, generator=gen).to(dtype), torch.randn(rows, N, generator=gen).to(dtype)
-    monkeypatch.setattr(ops, "INT4_GEMM_MAX_ROWS", 64)
-    for n in (N, 2 * N):
-        monkeypatch.setitem(ops.INT4_GEMM_CONFIGS, (n, K, 64), config)  # 37 rows: the 64-row bucket
-    assert not ops.int4_rows_on_cublas(rows) and ops.int4_rows_on_cublas(65)
-    assert ops._int4_gemm_config(N, K, rows) == config
-    cases = [
-        ({}, {}),
-        ({"norm_weight": norm.to(dtype), "eps": 1e-6, "act": ops.ACT_SWIGLU}, {"norm": norm.to(dtype), "act": 1}),
-        ({"bias": bias, "residual": residual}, {"bias": bias, "residual": residual}),
-        ({"act": ops.ACT_GELU}, {"act": ops.ACT_GELU}),
-    ]
-    for kwargs, ref_kwargs in cases:
-        swiglu = ref_kwargs.get("act") == ops.ACT_SWIGLU
-        got = ops.fused_linear(x, blocked if swiglu else _rows(blocked, N), **kwargs)  # type: ignore[arg-type]
-        ref = reference(x.double(), dense if swiglu else dense[:N], **ref_kwargs)
-        assert got.shape == (rows, N) and got.dtype == dtype
-        assert frob_rel_error(got, ref) <= TOL[dtype], kwargs
+    bias, residual = 0.1 * torch.randn(N, generator=gen), torch.randn(rows, N, generator=gen).to(dtype)
+    x = torch.randn(rows, K, generator=gen).to(dtype)
+    no_cublas = cuda_ops.CudaKernels(interpreter_policy(cublas_16bit=False))  # type: ignore[arg-type]
+    for weight in (quantize_int4(raw, 32), raw.to(dtype)):
+        dense = weight.dequantize() if isinstance(weight, Int4Weight) else weight.float()
+        got = no_cublas.fused_linear(x, weight, act=ops.ACT_SWIGLU, norm_weight=norm, eps=1e-6)
+        assert frob_rel_error(got, reference(x.double(), dense, act=ops.ACT_SWIGLU, norm=norm)) <= TOL[dtype]
+        got = no_cublas.fused_linear(x, _rows(weight, N), bias=bias, residual=residual)
+        ref = reference(x.double(), dense[:N], bias=bias, residual=residual)
+        assert got.dtype == dtype and frob_rel_error(got, ref) <= TOL[dtype]
 
 
 @pytest.mark.parametrize("rows", [1, 5, 20])
@@ -199,14 +182,14 @@ def test_fused_linear_into_residual(rows: int) -> None:
     assert frob_rel_error(got, want.double()) <= 1e-6
 
 
-def test_gemv_register_cap_keeps_results(monkeypatch: pytest.MonkeyPatch) -> None:
-    """GEMV_MAX_REGISTERS only passes ptxas a register cap: the same product, bit for bit."""
+def test_gemv_register_cap_keeps_results() -> None:
+    """KernelPolicy.gemv_max_registers only passes ptxas a register cap: the same product, bit for bit."""
     gen = torch.Generator().manual_seed(3)
     w = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(37, 320, generator=gen), 64))
     x, norm = torch.randn(2, 320, generator=gen), 1 + 0.1 * torch.randn(320, generator=gen)
     want = ops.fused_linear(x, w, norm_weight=norm, eps=1e-6)
-    monkeypatch.setattr(ops, "GEMV_MAX_REGISTERS", 80)
-    assert torch.equal(ops.fused_linear(x, w, norm_weight=norm, eps=1e-6), want)
+    capped = cuda_ops.CudaKernels(interpreter_policy(gemv_max_registers=80))  # type: ignore[arg-type]
+    assert torch.equal(capped.fused_linear(x, w, norm_weight=norm, eps=1e-6), want)
 
 
 def test_dequantize_int4_is_exact() -> None:
@@ -228,7 +211,7 @@ def test_rms_norm_modes(mode: int) -> None:
 
 
 @pytest.mark.parametrize("pairing", ["half", "interleaved"])
-@pytest.mark.parametrize("T", [3, 19])  # one partial block of rows; blocks of ops.ROPE_BLOCK_ROWS and a partial one
+@pytest.mark.parametrize("T", [3, 19])  # one partial block of rows; blocks of POLICY.rope_block_rows and a partial one
 def test_rope_store_and_cached_attention(pairing: str, T: int) -> None:
     B, H, KVH, hd, S = 2, 4, 2, 16, 40
     gen = torch.Generator().manual_seed(3)
@@ -274,13 +257,12 @@ def test_rope_store_and_cached_attention(pairing: str, T: int) -> None:
 )  # a split brings its own tile
 @pytest.mark.parametrize("pairing", ["half", "interleaved"])
 def test_one_token_rope_attention_equals_two_kernels(
-    pairing: str, tile: tuple[int, int], split: tuple[int, int, int] | None, monkeypatch: pytest.MonkeyPatch
+    pairing: str, tile: tuple[int, int], split: tuple[int, int, int] | None
 ) -> None:
     """Both attention tiles (keys per block, warps), positions past one block of either; split along the
     keys (positions 0 and 7 leave splits empty), twice, so the arrival counts must have been reset."""
-    monkeypatch.setattr(ops, "NARROW_HEAD_ATTENTION", tile)
-    monkeypatch.setattr(ops, "SPLIT_ATTENTION", split)
-    monkeypatch.setattr(ops, "SPLIT_ATTENTION_MIN_HEAD_DIM", 16)
+    policy = interpreter_policy(narrow_head_attention_tile=tile, split_attention=split, split_attention_min_head_dim=16)
+    ops = cuda_ops.CudaKernels(policy)  # type: ignore[arg-type]
     B, H, KVH, hd, S = 3, 4, 2, 16, 300
     gen = torch.Generator().manual_seed(4)
     cfg = ArchConfig(
@@ -300,24 +282,24 @@ def test_one_token_rope_attention_equals_two_kernels(
     again = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, pairing == "interleaved")
     assert torch.equal(again, out)
     if split is not None:
-        counts = ops._split_scratch(qkv.device, B * H, split[0], hd)[1]
+        counts = cuda_ops._split_scratch(qkv.device, B * H, split[0], hd)[1]
         assert not bool(counts.any())
 
 
 def test_dense_weights_reused_dequantizes_kept_weights_once_per_scope() -> None:
     gen = torch.Generator().manual_seed(8)
     kept, other = (quantize_int4(torch.randn(24, 128, generator=gen), 64) for _ in range(2))
-    outside = ops._dense_weight(kept, torch.float32)
-    assert torch.equal(outside, kept.dequantize()) and ops._dense_weight(kept, torch.float32) is not outside
-    with ops.dense_weights_reused([kept]) as scope:
-        first = ops._dense_weight(kept, torch.float32)
-        assert ops._dense_weight(kept, torch.float32) is first and torch.equal(first, outside)
-        assert ops._dense_weight(other, torch.float32) is not ops._dense_weight(other, torch.float32)
-        with ops.dense_weights_reused([]):  # an inner scope that keeps nothing
-            assert ops._dense_weight(kept, torch.float32) is not first
-        assert ops._dense_weight(kept, torch.float32) is first  # the outer scope is back
+    outside = cuda_ops._dense_weight(kept, torch.float32)
+    assert torch.equal(outside, kept.dequantize()) and cuda_ops._dense_weight(kept, torch.float32) is not outside
+    with cuda_ops.dense_weights_reused([kept]) as scope:
+        first = cuda_ops._dense_weight(kept, torch.float32)
+        assert cuda_ops._dense_weight(kept, torch.float32) is first and torch.equal(first, outside)
+        assert cuda_ops._dense_weight(other, torch.float32) is not cuda_ops._dense_weight(other, torch.float32)
+        with cuda_ops.dense_weights_reused([]):  # an inner scope that keeps nothing
+            assert cuda_ops._dense_weight(kept, torch.float32) is not first
+        assert cuda_ops._dense_weight(kept, torch.float32) is first  # the outer scope is back
         assert scope.nbytes == first.nbytes
-    assert ops._dense_weight(kept, torch.float32) is not first
+    assert cuda_ops._dense_weight(kept, torch.float32) is not first
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
@@ -340,7 +322,8 @@ def test_int4_embedding_rows_match_a_float64_dequantization(group: int, blocked:
 
 
 def test_narrow_heads_are_not_split(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Heads narrower than SPLIT_ATTENTION_MIN_HEAD_DIM run whole (no split scratch), with the same result."""
+    """Heads narrower than the policy's split_attention_min_head_dim run whole (no split scratch), with the same
+    result."""
     B, H, hd, S = 2, 2, 16, 40
     gen = torch.Generator().manual_seed(6)
     cfg = ArchConfig(vocab_size=64, d_model=32, n_heads=H, n_kv_heads=H, head_dim=hd, ffn_dim=64, n_prelude=0, n_body=1,
@@ -349,13 +332,13 @@ def test_narrow_heads_are_not_split(monkeypatch: pytest.MonkeyPatch) -> None:
     qkv = torch.randn(B, 3 * H * hd, generator=gen)
     caches = torch.randn(B, H, S, hd, generator=gen), torch.randn(B, H, S, hd, generator=gen)
     pos = torch.tensor([5, 33])
-    monkeypatch.setattr(ops, "SPLIT_ATTENTION", None)
-    whole = ops.rope_attention(qkv, *(c.clone() for c in caches), pos, cos, sin, H, H, hd, False)
+    whole = cuda_ops.CudaKernels(interpreter_policy(split_attention=None)).rope_attention(  # type: ignore[arg-type]
+        qkv, *(c.clone() for c in caches), pos, cos, sin, H, H, hd, False
+    )
 
     def no_scratch(*args: object) -> None:
         raise AssertionError("a narrow head was split")
 
-    monkeypatch.setattr(ops, "SPLIT_ATTENTION", (4, 64, 4))
-    monkeypatch.setattr(ops, "_split_scratch", no_scratch)
-    assert hd < ops.SPLIT_ATTENTION_MIN_HEAD_DIM
+    monkeypatch.setattr(cuda_ops, "_split_scratch", no_scratch)
+    assert POLICY.split_attention == (4, 64, 4) and hd < POLICY.split_attention_min_head_dim
     assert torch.equal(ops.rope_attention(qkv, *(c.clone() for c in caches), pos, cos, sin, H, H, hd, False), whole)

@@ -1,15 +1,12 @@
-"""Which SDPA implementation prefill attention uses on CUDA (TINYLOOP_DISABLE_FLASH2_PREFILL,
-TINYLOOP_USE_CUDNN_SDPA); CPU always uses PyTorch's default choice."""
+"""Which SDPA implementation prefill attention uses on CUDA (the policy's `sdpa_math_only`, from
+TINYLOOP_DISABLE_FLASH2_PREFILL, and `sdpa_cudnn`, from TINYLOOP_USE_CUDNN_SDPA); CPU always uses PyTorch's
+default choice."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-
-# Set from the environment when a CUDA engine is created (kernels/cuda_backend.py).
-DISABLE_FLASH = False
-USE_CUDNN = False
 
 
 def sdpa(
@@ -20,11 +17,13 @@ def sdpa(
     mask: torch.Tensor | None = None,
     causal: bool = False,
     gqa: bool = False,
+    math_only: bool = False,
+    cudnn: bool = False,
 ) -> torch.Tensor:
     """Scaled dot-product attention, q [B, H, T, hd], k/v [B, KVH, S, hd]."""
-    if q.device.type != "cuda" or not (DISABLE_FLASH or USE_CUDNN):
+    if q.device.type != "cuda" or not (math_only or cudnn):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
-    if DISABLE_FLASH:  # the simple path: one matmul-softmax-matmul, no tiling
+    if math_only:  # the simple path: one matmul-softmax-matmul, no tiling
         with sdpa_kernel([SDPBackend.MATH]):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
     try:

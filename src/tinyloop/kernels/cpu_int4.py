@@ -23,8 +23,6 @@ INT4_MAX_ROWS = 8
 # The kernel packs output columns in blocks of this many.
 _COLUMN_BLOCK = 16
 
-_installed = False
-
 
 def available() -> bool:
     """Whether this torch has the CPU INT4 kernel and its packing op."""
@@ -77,9 +75,6 @@ def _embedding(ids: torch.Tensor, w: object, dtype: torch.dtype) -> torch.Tensor
 
 
 def install() -> None:
-    """Route linear layers and lookups of CpuInt4Weight on the CPU here (once)."""
-    global _installed
-    if not _installed:
-        register_linear_kernel("int4_cpu", "cpu", _linear)
-        register_embedding_kernel("int4_cpu", "cpu", _embedding)
-        _installed = True
+    """Route linear layers and lookups of CpuInt4Weight on the CPU here (registering again changes nothing)."""
+    register_linear_kernel("int4_cpu", "cpu", _linear)
+    register_embedding_kernel("int4_cpu", "cpu", _embedding)

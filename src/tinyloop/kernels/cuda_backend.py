@@ -1,18 +1,23 @@
-"""Installs the CUDA kernels behind the dispatch point when a CUDA engine is created."""
+"""Builds the kernel policy of a CUDA engine and installs its kernels behind the dispatch point."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 
 from tinyloop.env import RuntimeEnv
-from tinyloop.kernels import attention_backend
-from tinyloop.kernels.dispatch import Weight, register_embedding_kernel, register_linear_kernel
+from tinyloop.kernels.attention_backend import sdpa
+from tinyloop.kernels.dispatch import (
+    Weight,
+    register_attention_kernel,
+    register_embedding_kernel,
+    register_linear_kernel,
+)
+from tinyloop.kernels.policy import KernelPolicy
 from tinyloop.log import info
 from tinyloop.quant import Int4Weight
-
-_installed = False
 
 
 def triton_available() -> bool:
@@ -23,42 +28,48 @@ def triton_available() -> bool:
     return True
 
 
-def _int4_linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
+def _int4_linear(policy: KernelPolicy, x: torch.Tensor, w: Weight) -> torch.Tensor:
     from tinyloop.kernels.cuda_ops import fused_linear
 
     assert isinstance(w, Int4Weight)
     flat = x.reshape(-1, x.shape[-1])
-    return fused_linear(flat, w).view(*x.shape[:-1], w.shape[0])
+    return fused_linear(policy, flat, w).view(*x.shape[:-1], w.shape[0])
 
 
-def _int4_embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
+def _int4_embedding(policy: KernelPolicy, ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
     from tinyloop.kernels.cuda_ops import int4_rows
 
     assert isinstance(w, Int4Weight)
-    return int4_rows(ids, w, dtype)
+    return int4_rows(policy, ids, w, dtype)
 
 
-def install(env: RuntimeEnv) -> bool:
-    """Route INT4 matmuls on CUDA to the Triton kernels and apply the attention/GEMM switches.
+def kernel_policy(env: RuntimeEnv) -> KernelPolicy:
+    """The policy of a CUDA engine: the measured defaults, with the kernels this GPU and Triton build switched
+    on unless the environment switches them off. Read once, when the engine is created."""
+    triton_ok = triton_available()
+    return KernelPolicy(
+        cublas_16bit=not env.disable_cublas_fp16,
+        pdl=triton_ok and not env.disable_pdl and pdl_supported(),
+        gluon_gemv=triton_ok and not env.disable_gluon_gemv and gluon_supported(),
+        staged_gemv=triton_ok and not env.disable_staged_gemv and staged_supported(),
+        sdpa_math_only=env.disable_flash2_prefill,
+        sdpa_cudnn=env.use_cudnn_sdpa,
+    )
+
+
+def install(policy: KernelPolicy) -> bool:
+    """Route prefill attention on CUDA as the policy says and INT4 matmuls on CUDA to the Triton kernels under
+    it (the dispatch point's entries for CUDA: the engine created last decides them).
 
     Returns False (after saying so) when Triton is missing: INT4 weights then dequantize per call.
     """
-    global _installed
-    attention_backend.DISABLE_FLASH = env.disable_flash2_prefill
-    attention_backend.USE_CUDNN = env.use_cudnn_sdpa
+    register_attention_kernel("cuda", functools.partial(sdpa, math_only=policy.sdpa_math_only,
+                                                        cudnn=policy.sdpa_cudnn))  # fmt: skip
     if not triton_available():
         info("Triton is not installed: CUDA INT4 matmuls dequantize on every call (slow)")
         return False
-    from tinyloop.kernels import cuda_ops
-
-    cuda_ops.USE_CUBLAS_16BIT = not env.disable_cublas_fp16
-    cuda_ops.USE_PDL = not env.disable_pdl and pdl_supported()
-    cuda_ops.USE_GLUON_GEMV = not env.disable_gluon_gemv and gluon_supported()
-    cuda_ops.USE_STAGED_GEMV = not env.disable_staged_gemv and staged_supported()
-    if not _installed:
-        register_linear_kernel("int4", "cuda", _int4_linear)
-        register_embedding_kernel("int4", "cuda", _int4_embedding)
-        _installed = True
+    register_linear_kernel("int4", "cuda", functools.partial(_int4_linear, policy))
+    register_embedding_kernel("int4", "cuda", functools.partial(_int4_embedding, policy))
     return True
 
 

@@ -1,4 +1,4 @@
-"""The one place every linear layer and embedding lookup goes through.
+"""The one place every linear layer, embedding lookup and attention of the generic forward goes through.
 
 A backend registers a kernel for (weight kind, device type); anything unregistered falls back to the
 reference: dequantize, then a plain matmul.
@@ -11,15 +11,18 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tinyloop.kernels.attention_backend import sdpa
 from tinyloop.quant import CpuInt4Weight, Int4Weight, Int8Weight
 from tinyloop.stochastic.weight import StochasticInt4Weight
 
 Weight = torch.Tensor | Int8Weight | Int4Weight
 LinearKernel = Callable[[torch.Tensor, Weight], torch.Tensor]
 EmbeddingKernel = Callable[[torch.Tensor, Weight, torch.dtype], torch.Tensor]
+AttentionKernel = Callable[..., torch.Tensor]
 
 _LINEAR_KERNELS: dict[tuple[str, str], LinearKernel] = {}
 _EMBEDDING_KERNELS: dict[tuple[str, str], EmbeddingKernel] = {}
+_ATTENTION_KERNELS: dict[str, AttentionKernel] = {}
 
 
 def weight_kind(w: Weight) -> str:
@@ -44,6 +47,11 @@ def register_embedding_kernel(kind: str, device_type: str, kernel: EmbeddingKern
     _EMBEDDING_KERNELS[(kind, device_type)] = kernel
 
 
+def register_attention_kernel(device_type: str, kernel: AttentionKernel) -> None:
+    """Route `attention` on `device_type` to `kernel` (`sdpa`'s signature)."""
+    _ATTENTION_KERNELS[device_type] = kernel
+
+
 def linear(x: torch.Tensor, w: Weight) -> torch.Tensor:
     """x @ w.T for any weight kind."""
     if isinstance(w, torch.Tensor) and not _LINEAR_KERNELS:
@@ -64,3 +72,17 @@ def embedding(ids: torch.Tensor, w: Weight, dtype: torch.dtype) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return F.embedding(ids, w).to(dtype)
     return w.rows(ids, dtype)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    mask: torch.Tensor | None = None,
+    causal: bool = False,
+    gqa: bool = False,
+) -> torch.Tensor:
+    """Scaled dot-product attention, q [B, H, T, hd], k/v [B, KVH, S, hd]."""
+    kernel = _ATTENTION_KERNELS.get(q.device.type, sdpa)
+    return kernel(q, k, v, mask=mask, causal=causal, gqa=gqa)

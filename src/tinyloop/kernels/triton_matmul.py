@@ -2,13 +2,12 @@
 
 - `_gemv_blocked_int4_kernel` for 1-4 rows (decode) of INT4 weights in the blocked layout, the layout
   CUDA engines repack their INT4 matrices into (quant.BlockedInt4Weight).
-- `_splitk_blocked_int4_kernel` + `_splitk_epilogue_kernel` for a few more rows of blocked INT4 weights
-  (speculative verification, batched decode): tensor-core products split over K, then summed;
-  `_gemm_blocked_int4_kernel` takes the split-K kernel's place for tens to hundreds of rows (a short prefill).
+- `_splitk_blocked_int4_kernel` + `_splitk_epilogue_kernel` for more rows of blocked INT4 weights
+  (speculative verification, batched decode; any row count with cuBLAS switched off): tensor-core
+  products split over K, then summed.
 - `_matvec_kernel` for 1-4 rows of any other weight (16-bit, or INT4 in the file's plain layout): a weight
   tile is dequantized once and multiplied with every row on CUDA cores.
-- `_matmul_kernel` for more rows (prefill, batched decode): tensor-core `tl.dot` on dequantized tiles.
-The last two and `_dequant_kernel` share the weight-tile loader `_load_w`.
+`_matvec_kernel` and `_dequant_kernel` share the weight-tile loader `_load_w`.
 
 INT4 plain layout: the file's packed bytes viewed as int32 words [N, K/8]; nibble j of word w is column
 8w + j (low nibble first), value = q * scale[n, g] + minimum[n, g] with g = column // group. Blocked
@@ -181,67 +180,6 @@ def _matvec_kernel(
         if ACT == 1:
             wu = _load_w(w_ptr, s_ptr, m_ptr, rows + N, row_mask, k0, K, GROUP, INT4, BLOCK_N, BLOCK_K)
             acc_up += tl.sum(wu[None, :, :] * x[:, None, :], axis=2)
-    _epilogue(
-        acc, acc_up, offs_m, m_mask, rows, row_mask, out_ptr, stride_om, res_ptr, stride_rm, b_ptr, BIAS, ACT, RESIDUAL
-    )
-
-
-@triton.jit
-def _matmul_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    m_ptr,
-    out_ptr,
-    res_ptr,
-    nw_ptr,
-    b_ptr,
-    M,
-    N,
-    K,
-    eps,
-    stride_xm,
-    stride_om,
-    stride_rm,
-    GROUP: tl.constexpr,
-    INT4: tl.constexpr,
-    NORM: tl.constexpr,
-    BIAS: tl.constexpr,
-    ACT: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    BLOCKED: tl.constexpr = 0,
-):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < M
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    rstd = tl.zeros((BLOCK_M,), tl.float32)
-    if NORM:
-        rstd = _row_rstd(x_ptr, stride_xm, offs_m, m_mask, K, eps, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < K
-        x = _load_x(x_ptr, stride_xm, offs_m, m_mask, offs_k, k_mask, nw_ptr, rstd, NORM)
-        w = _load_w(w_ptr, s_ptr, m_ptr, rows, row_mask, k0, K, GROUP, INT4, BLOCK_N, BLOCK_K, BLOCKED).to(x.dtype)
-        if IEEE:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc)
-        if ACT == 1:
-            wu = _load_w(w_ptr, s_ptr, m_ptr, rows + N, row_mask, k0, K, GROUP, INT4, BLOCK_N, BLOCK_K, BLOCKED)
-            wu = wu.to(x.dtype)
-            if IEEE:
-                acc_up = tl.dot(x, tl.trans(wu), acc_up, input_precision="ieee")
-            else:
-                acc_up = tl.dot(x, tl.trans(wu), acc_up)
     _epilogue(
         acc, acc_up, offs_m, m_mask, rows, row_mask, out_ptr, stride_om, res_ptr, stride_rm, b_ptr, BIAS, ACT, RESIDUAL
     )
@@ -502,61 +440,6 @@ def _splitk_blocked_int4_kernel(
             xt = (xt.to(tl.float32) * gain[:, None]).to(dt)
         w = _dequant_code_tile(cur, cur_s, cur_mn, GROUP, BLOCK_N, BLOCK_K).to(dt)
         acc = _dot_into(w, xt, acc, IEEE)
-    _store_partial(part_ptr, acc, M, N, rows, row_mask, offs_m, m_mask)
-
-
-@triton.jit
-def _gemm_blocked_int4_kernel(
-    x_ptr,
-    w_ptr,
-    s_ptr,
-    m_ptr,
-    nw_ptr,
-    part_ptr,
-    M,
-    N,
-    K,
-    k_per_split,
-    stride_xm,
-    stride_w,
-    stride_g,
-    GROUP: tl.constexpr,
-    BLOCK: tl.constexpr,
-    NORM: tl.constexpr,
-    IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Tens to hundreds of rows of x (a short prefill, a verification pass) times an INT4 matrix in the
-    blocked layout on tensor cores, for `_splitk_epilogue_kernel` to finish like the split-K kernel's
-    partials: program (n, s, m) stores x[m rows, split s columns] @ w[n rows, same columns].T in
-    part[s, m rows, n rows]. Unlike `_splitk_blocked_int4_kernel` (a few rows, weight-bound) the loop is in
-    the shape Triton's pipeliner overlaps: x^T tiles are plain loads (copied asynchronously into shared
-    memory, the MMA's B operand), and the weight tile is dequantized in the words' nibble order and put
-    back in column order in registers (nibble j of word i of a block is its column (BLOCK / 8) j + i), where
-    it stays as the MMA's A operand. With NORM the gain multiplies the weight's columns; 1 / rms is
-    applied in the epilogue."""
-    rows, row_mask, offs_m, m_mask, k_begin, k_end = _split_program(N, M, K, k_per_split, BLOCK_N, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    dt = x_ptr.dtype.element_ty
-    _wait_for_previous_kernel(PDL)
-    acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        cols = k0 + offs_k
-        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + cols[:, None],
-                     mask=m_mask[None, :] & (cols < k_end)[:, None], other=0.0)  # fmt: skip
-        words, s, mn = _load_code_tile(w_ptr, s_ptr, m_ptr, rows, row_mask, k0, k_end, stride_w, stride_g, GROUP,
-                                       BLOCK_K)  # fmt: skip
-        w = tl.reshape(
-            _dequant_code_tile(words, s, mn, GROUP, BLOCK_N, BLOCK_K), (BLOCK_N, BLOCK_K // BLOCK, BLOCK // 8, 8)
-        )
-        w = tl.reshape(tl.permute(w, (0, 1, 3, 2)), (BLOCK_N, BLOCK_K))
-        if NORM:
-            gain = tl.load(nw_ptr + cols, mask=cols < k_end, other=0.0).to(dt).to(tl.float32)
-            w = w * gain[None, :]
-        acc = _dot_into(w.to(dt), xt, acc, IEEE)
     _store_partial(part_ptr, acc, M, N, rows, row_mask, offs_m, m_mask)
 
 

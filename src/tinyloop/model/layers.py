@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from tinyloop.config import ArchConfig
-from tinyloop.kernels.attention_backend import sdpa
+from tinyloop.kernels.dispatch import attention as sdpa
 from tinyloop.kernels.dispatch import linear
 from tinyloop.model.weights import LayerWeights, Norm
 

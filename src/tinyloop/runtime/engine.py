@@ -13,6 +13,7 @@ from tinyloop.cache.base import StepCache
 from tinyloop.cache.kv import KVCache
 from tinyloop.config import ArchConfig
 from tinyloop.errors import ModelClosedError
+from tinyloop.kernels.policy import KernelPolicy
 from tinyloop.model.layers import KVStore, StepContext, rope_tables
 from tinyloop.model.looped import ForwardOutput, forward, state_noise_table
 from tinyloop.model.weights import ModelWeights
@@ -51,6 +52,7 @@ class Engine:
         dtype: torch.dtype,
         l2_window: L2Window | None = None,
         max_positions: int | None = None,
+        kernel_policy: KernelPolicy | None = None,
     ) -> None:
         self.cfg = cfg
         self.weights = weights
@@ -59,6 +61,8 @@ class Engine:
         # Where the looped weights sit in one arena that L2 keeps (kernels/l2_residency.py): decode graphs
         # are captured from a stream carrying this window.
         self.l2_window = l2_window
+        # The CUDA kernel choices (kernels/policy.py), built once at load; the decoder passes it to every launch.
+        self.kernel_policy = kernel_policy if kernel_policy is not None else KernelPolicy()
         # Steps run one at a time: the decoders keep per-batch-size workspaces between steps.
         self.lock = threading.RLock()
         self.closed = False

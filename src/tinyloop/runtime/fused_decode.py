@@ -21,9 +21,9 @@ from typing import Any
 import torch
 
 from tinyloop.cache.kv import KVCache
-from tinyloop.kernels import cuda_ops as ops
 from tinyloop.kernels import l2_residency
 from tinyloop.kernels.attention_backend import sdpa
+from tinyloop.kernels.cuda_ops import CudaKernels, dense_weights_reused
 from tinyloop.log import detail, info
 from tinyloop.model.looped import ForwardOutput, embed, gate_logit, initial_state
 from tinyloop.model.slots import body_slot, coda_slot, prelude_slot
@@ -35,7 +35,7 @@ from tinyloop.stochastic.weight import StochasticInt4Weight
 # Steps of up to this many tokens per row attend through the cached-attention kernel; longer steps
 # (prefill) use SDPA's tiled flash path and are only taken from an empty cache.
 FUSED_ATTENTION_MAX_TOKENS = 16
-# One-token steps rope, write the cache and attend in one launch (ops.rope_attention).
+# One-token steps rope, write the cache and attend in one launch (cuda_ops.rope_attention).
 ROPE_ATTENTION_ONE_KERNEL = True
 # Captured graphs kept (least recently used evicted). Speculative decoding alone uses one per draft and
 # verify depth plus one per verification length (2 .. 2 x draft_ahead + 1 tokens), and an adaptive draft
@@ -90,6 +90,7 @@ class FusedDecoder:
     def __init__(self, engine: Engine, graphs: bool = True) -> None:
         self.engine = engine
         self.cfg = engine.cfg
+        self.ops = CudaKernels(engine.kernel_policy)
         self.graphs_enabled = graphs and engine.device.type == "cuda"
         self._graphs: OrderedDict[tuple[int, ...], _Graph] = OrderedDict()
         self._seen: set[tuple[int, ...]] = set()
@@ -167,7 +168,7 @@ class FusedDecoder:
             return None
         positions = (begin[:, None] + torch.arange(T)[None, :]).reshape(-1)
         dev = self.engine.device
-        if l2_residency.SHARE_OFF_DURING_PREFILL and ops.int4_rows_on_cublas(B * T):
+        if l2_residency.SHARE_OFF_DURING_PREFILL and self.ops.int4_rows_on_cublas(B * T):
             self._drop_share()
         if resume is not None:
             resume = (resume[0].to(dev, self.engine.dtype), resume[1].to(dev, self.engine.dtype))
@@ -281,7 +282,7 @@ class FusedDecoder:
         to dequantize it, and its GEMMs read the 16-bit copies, which the window does not cover). On the H200
         this alone did not remove the prefill cost of L2 residency (still +3-7 % on a body that
         fits): the persisting share itself takes L2 from the GEMMs (see l2_residency.SHARE_OFF_DURING_PREFILL)."""
-        return None if ops.int4_rows_on_cublas(rows) else self.engine.l2_window
+        return None if self.ops.int4_rows_on_cublas(rows) else self.engine.l2_window
 
     def _capture_stream(self) -> torch.cuda.Stream:
         """The stream graphs are captured from, one per decoder; it carries the engine's L2 window (if any)
@@ -295,11 +296,11 @@ class FusedDecoder:
     def _dense_body_scope(self, rows: int, loops_run: int) -> Iterator[None]:
         """Around a step whose matmuls go to cuBLAS (a prefill) and that runs the body more than once: the
         body's INT4 matrices dequantized once for all loops, where their 16-bit copies fit the budget."""
-        cublas_step = ops.int4_rows_on_cublas(rows)
+        cublas_step = self.ops.int4_rows_on_cublas(rows)
         if not (self._reuse_dense_body and cublas_step and loops_run > 1):
             yield
             return
-        with ops.dense_weights_reused(self._body_matrices) as reuse:
+        with dense_weights_reused(self._body_matrices) as reuse:
             yield
             if reuse.nbytes > self.dense_body_bytes:
                 detail(f"prefill: body dequantized once for all loops ({reuse.nbytes / 2**20:.0f} MiB while it runs)")
@@ -330,29 +331,29 @@ class FusedDecoder:
             gates: list[torch.Tensor] = []
             for t in range(start_loop, loops):
                 if cfg.injection == "add":
-                    h = ops.add(s, p)
+                    h = self.ops.add(s, p)
                 elif cfg.injection == "concat":
                     assert w.adapter is not None
-                    h = ops.fused_linear(torch.cat((s, p), dim=-1), w.adapter)
+                    h = self.ops.fused_linear(torch.cat((s, p), dim=-1), w.adapter)
                 else:
                     h = s
                 for j, lw in enumerate(w.body):
                     h = self._layer(h, lw, cache, body_slot(cfg, t, j), positions, T)
                 if cfg.loop_norm == "every_loop":
                     assert w.final_norm is not None
-                    h = ops.rms_norm(h, w.final_norm.weight, cfg.norm_eps)
+                    h = self.ops.rms_norm(h, w.final_norm.weight, cfg.norm_eps)
                 s = h
                 if w.exit_gate_weight is not None:
                     gates.append(self._gate_logit(s).view(B, T))
             x = s
             if cfg.loop_norm == "after_loop":
                 assert w.final_norm is not None
-                x = ops.rms_norm(x, w.final_norm.weight, cfg.norm_eps)
+                x = self.ops.rms_norm(x, w.final_norm.weight, cfg.norm_eps)
             for i, lw in enumerate(w.coda):
                 x = self._layer(x, lw, cache, coda_slot(cfg, i), positions, T)
             rows = x.view(B, T, -1)[:, -1] if last_only else x
             head_norm = w.final_norm.weight if cfg.head_norm and w.final_norm is not None else None
-            logits = ops.fused_linear(
+            logits = self.ops.fused_linear(
                 rows,
                 w.head,
                 norm_weight=head_norm,
@@ -371,15 +372,15 @@ class FusedDecoder:
     def _gate_logit(self, s: torch.Tensor) -> torch.Tensor:
         """The exit gate's logit per row in float32: for decode-sized steps one matvec launch in the PDL
         chain (instead of four torch launches that each break it), else as model/looped.py computes it."""
-        if s.shape[0] > ops.MATVEC_MAX_ROWS or self._gate_weight is None:
+        if s.shape[0] > self.ops.policy.matvec_max_rows or self._gate_weight is None:
             return gate_logit(self.engine.weights, s)
-        return ops.fused_linear(s, self._gate_weight, bias=self._gate_bias, out_dtype=torch.float32).squeeze(-1)
+        return self.ops.fused_linear(s, self._gate_weight, bias=self._gate_bias, out_dtype=torch.float32).squeeze(-1)
 
     def _layer(
         self, x: torch.Tensor, lw: LayerWeights, cache: KVCache, slot: int, positions: torch.Tensor, T: int
     ) -> torch.Tensor:
         cfg, eng = self.cfg, self.engine
-        qkv = ops.fused_linear(
+        qkv = self.ops.fused_linear(
             x,
             lw.qkv,
             norm_weight=lw.attn_norm.weight,
@@ -388,21 +389,23 @@ class FusedDecoder:
         )
         k_cache, v_cache = cache.k[slot], cache.v[slot]
         if T == 1 and ROPE_ATTENTION_ONE_KERNEL:
-            attn = ops.rope_attention(
+            attn = self.ops.rope_attention(
                 qkv, k_cache, v_cache, positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                 cfg.rope_pairing == "interleaved",
             )  # fmt: skip
             return self._layer_rest(x, lw, attn)
-        q = ops.rope_store(
+        q = self.ops.rope_store(
             qkv, k_cache, v_cache, positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, T,
             cfg.rope_pairing == "interleaved",
         )  # fmt: skip
         if T <= FUSED_ATTENTION_MAX_TOKENS:
-            attn = ops.cached_attention(q, k_cache, v_cache, positions, T)
+            attn = self.ops.cached_attention(q, k_cache, v_cache, positions, T)
         else:
             B = x.shape[0] // T
             qh = q.view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
-            out = sdpa(qh, k_cache[:, :, :T], v_cache[:, :, :T], causal=True, gqa=cfg.n_heads != cfg.n_kv_heads)
+            policy = self.ops.policy
+            out = sdpa(qh, k_cache[:, :, :T], v_cache[:, :, :T], causal=True, gqa=cfg.n_heads != cfg.n_kv_heads,
+                       math_only=policy.sdpa_math_only, cudnn=policy.sdpa_cudnn)  # fmt: skip
             attn = out.transpose(1, 2).reshape(B * T, cfg.q_dim)
         return self._layer_rest(x, lw, attn)
 
@@ -410,17 +413,17 @@ class FusedDecoder:
         """Output projection + residual, then the MLP (norm + gate/up + activation, down + residual)."""
         cfg = self.cfg
         if cfg.norm_placement == "pre":
-            x = ops.fused_linear(attn, lw.out, residual=x)
+            x = self.ops.fused_linear(attn, lw.out, residual=x)
         else:
             assert lw.attn_post_norm is not None
-            a = ops.fused_linear(attn, lw.out)
-            x = ops.rms_norm(a, lw.attn_post_norm.weight, cfg.norm_eps, x, self._post_mode)
-        act = ops.ACT_SWIGLU if lw.gate_up is not None else ops.ACT_GELU
+            a = self.ops.fused_linear(attn, lw.out)
+            x = self.ops.rms_norm(a, lw.attn_post_norm.weight, cfg.norm_eps, x, self._post_mode)
+        act = self.ops.ACT_SWIGLU if lw.gate_up is not None else self.ops.ACT_GELU
         up = lw.gate_up if lw.gate_up is not None else lw.up
         assert up is not None
-        h = ops.fused_linear(x, up, norm_weight=lw.mlp_norm.weight, eps=cfg.norm_eps, act=act)
+        h = self.ops.fused_linear(x, up, norm_weight=lw.mlp_norm.weight, eps=cfg.norm_eps, act=act)
         if cfg.norm_placement == "pre":
-            return ops.fused_linear(h, lw.down, residual=x, into_residual=True)  # x is this layer's own
+            return self.ops.fused_linear(h, lw.down, residual=x, into_residual=True)  # x is this layer's own
         assert lw.mlp_post_norm is not None
-        m = ops.fused_linear(h, lw.down)
-        return ops.rms_norm(m, lw.mlp_post_norm.weight, cfg.norm_eps, x, self._post_mode)
+        m = self.ops.fused_linear(h, lw.down)
+        return self.ops.rms_norm(m, lw.mlp_post_norm.weight, cfg.norm_eps, x, self._post_mode)

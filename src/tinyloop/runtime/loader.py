@@ -154,7 +154,8 @@ def load_engine(
     # Stochastic matrices stay quantized: each loop iteration draws its own effective weight.
     kept = stochastic_weights(header.config, flat, cross_iter, device, path) if cross_iter is not None else {}
     cuda_env = RuntimeEnv.read() if device.type == "cuda" else None
-    kernels = cuda_env is not None and cuda_backend.install(cuda_env)
+    policy = cuda_backend.kernel_policy(cuda_env) if cuda_env is not None else None
+    kernels = policy is not None and cuda_backend.install(policy)
     dense = prepare_weights(
         {n: w for n, w in flat.items() if n not in kept}, device, compute,
         keep_int4=kernels, dense_body=cuda_env is not None and cuda_env.fp16_body, int4_matmuls=int4_matmuls,
@@ -169,7 +170,9 @@ def load_engine(
     prepared = {**dense, **kept}
     weights = ModelWeights.from_flat(header.config, prepared)
     l2_window = None if l2_plan is None else l2_plan.window
-    engine = Engine(header.config, weights, device, compute, l2_window=l2_window, max_positions=max_positions)
+    engine = Engine(
+        header.config, weights, device, compute, l2_window=l2_window, max_positions=max_positions, kernel_policy=policy
+    )
     if log_level() >= 2:
         report_load(header.path, flat, prepared, engine)
     return header, engine

@@ -1,0 +1,185 @@
+"""Which CUDA kernel runs where: one frozen `KernelPolicy`, built when an engine is created (from the
+environment and the GPU) and passed to every launcher in kernels/cuda_ops.py; plus the tile rules.
+
+Nothing here is changed at run time: a benchmark that compares choices builds one policy per choice
+(`dataclasses.replace`) and a model per policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from types import MappingProxyType
+
+ACT_NONE, ACT_SWIGLU, ACT_GELU = 0, 1, 2
+UNDER_PDL = ("after_wait", "before_wait", "at_end")
+
+Shape = tuple[int, int, int]  # (N, K, rows) or (N, K, act)
+
+
+@dataclass(frozen=True)
+class KernelPolicy:
+    """The CUDA kernel choices of one engine. The defaults are the measured winners (docs/BENCHMARKS.md);
+    `kernels.cuda_backend.kernel_policy` turns on what the GPU and the installed Triton support.
+
+    The `*_tiles` mappings override the tile rules below per shape (benchmark sweeps); empty by default.
+    """
+
+    # 16-bit products of more than `matvec_max_rows` rows (and INT4 ones past `blocked_gemm_max_rows`) go to
+    # cuBLAS; off (TINYLOOP_DISABLE_CUBLAS_FP16=1): the Triton kernels at every size.
+    cublas_16bit: bool = True
+    # Programmatic dependent launch (Hopper and later): each kernel starts while the previous one finishes.
+    pdl: bool = False
+    # Under PDL, let the next kernel launch before this one's wait. Off: 1.2 % on the H200, within noise.
+    pdl_early_launch: bool = False
+    # One-row GEMVs of blocked INT4 weights through the Gluon kernel (kernels/gluon_gemv.py).
+    gluon_gemv: bool = False
+    # One-row GEMVs that stage their weight slice in shared memory by TMA before the PDL wait
+    # (kernels/gluon_gemv_staged.py), for the shapes `staged_applies` names.
+    staged_gemv: bool = False
+    # (N, K, act) shapes that take the staged GEMV; None: the rule in `staged_applies`.
+    staged_shapes: frozenset[Shape] | None = None
+    # (rows per thread, warps, register cap or 0) of the staged GEMV.
+    staged_layout: tuple[int, int, int] = (2, 8, 0)
+    # When the GEMVs let the next kernel launch under PDL: "after_wait", "before_wait" or "at_end".
+    staged_launch_dependents: str = "after_wait"
+    gluon_launch_dependents: str = "after_wait"
+    # Register cap for the decode GEMVs (ptxas maxnreg), or None: every cap tried spilled and lost.
+    gemv_max_registers: int | None = None
+    # Row counts that pick the kernel: up to `matvec_max_rows` the CUDA-core GEMV; blocked INT4 takes the
+    # split-K tensor-core kernel up to `blocked_gemm_max_rows`, dequantize + cuBLAS beyond.
+    matvec_max_rows: int = 4
+    blocked_gemm_max_rows: int = 16
+    # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
+    splitk_programs: int = 264
+    # Cached attention (keys per block, warps) for heads of at least 128 and for narrower heads.
+    attention_tile: tuple[int, int] = (256, 8)
+    narrow_head_attention_tile: tuple[int, int] = (128, 4)
+    # One-token attention split along the keys (splits, keys per block, warps) for heads of at least
+    # `split_attention_min_head_dim`; None: one program per (row, head).
+    split_attention: tuple[int, int, int] | None = (4, 64, 4)
+    split_attention_min_head_dim: int = 128
+    # RoPE + cache write: rows per program.
+    rope_block_rows: int = 16
+    # Prefill attention (SDPA) on CUDA: the math backend instead of flash (TINYLOOP_DISABLE_FLASH2_PREFILL),
+    # or cuDNN (TINYLOOP_USE_CUDNN_SDPA).
+    sdpa_math_only: bool = False
+    sdpa_cudnn: bool = False
+    # Tile overrides: (N, K, rows) -> tile for the plain GEMV, the blocked GEMV and the split-K kernel;
+    # (N, K, act) -> tile for the Gluon GEMV.
+    matvec_tiles: Mapping[Shape, tuple[int, int, int]] = field(default_factory=dict)
+    blocked_tiles: Mapping[Shape, tuple[int, int, int]] = field(default_factory=dict)
+    splitk_tiles: Mapping[Shape, tuple[int, int, int, int]] = field(default_factory=dict)
+    gluon_tiles: Mapping[Shape, tuple[int, int, int, int, int]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("staged_launch_dependents", "gluon_launch_dependents"):
+            if getattr(self, name) not in UNDER_PDL:
+                raise ValueError(f"KernelPolicy.{name} is {getattr(self, name)!r}: expected one of {UNDER_PDL}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.endswith("_tiles") and not isinstance(value, MappingProxyType):
+                # read-only copies: the policy stays a value once built
+                object.__setattr__(self, f.name, MappingProxyType(dict(value)))
+
+    # ---- launch options ------------------------------------------------------------------------------------
+    def pdl_options(self, early: bool | None = None) -> dict[str, int | bool]:
+        """Launch options for the PDL chain; `early` (default `pdl_early_launch`): let the next kernel launch
+        before this one's wait."""
+        if not self.pdl:
+            return {"PDL": 0}
+        return {"PDL": 2 if (self.pdl_early_launch if early is None else early) else 1, "launch_pdl": True}
+
+    def gluon_pdl_options(self, launch: str) -> dict[str, int | bool]:
+        """The Gluon GEMVs' PDL options for a launch-dependents setting: PDL 3 (the next kernel launches at
+        the end) for "at_end"."""
+        options = self.pdl_options(launch == "before_wait")
+        if options["PDL"] and launch == "at_end":
+            options["PDL"] = 3
+        return options
+
+    def register_cap(self) -> dict[str, int]:
+        return {"maxnreg": self.gemv_max_registers} if self.gemv_max_registers else {}
+
+    def int4_rows_on_cublas(self, rows: int) -> bool:
+        """Whether `rows` rows times a blocked INT4 matrix go to dequantize + cuBLAS."""
+        return self.cublas_16bit and rows > self.blocked_gemm_max_rows
+
+    # ---- tiles ---------------------------------------------------------------------------------------------
+    def matvec_tile(self, n: int, k: int, rows: int, group: int) -> tuple[int, int, int]:
+        """(BLOCK_N, BLOCK_K, warps) of the plain-layout GEMV (16-bit weights, INT4 outside an engine)."""
+        if (n, k, rows) in self.matvec_tiles:
+            return self.matvec_tiles[(n, k, rows)]
+        if rows == 1:
+            return (4, max(group, 2048), 4) if n <= 2048 else (4, max(group, 1024), 4)
+        return 4, max(group, 512), 4
+
+    def blocked_tile(self, n: int, k: int, rows: int) -> tuple[int, int, int]:
+        """(BLOCK_N, blocks per tile, warps) of the blocked INT4 GEMV; see `blocked_gemv_tile`."""
+        if (n, k, rows) in self.blocked_tiles:
+            return self.blocked_tiles[(n, k, rows)]
+        return blocked_gemv_tile(n, k, rows)
+
+    def splitk_tile(self, n: int, k: int, rows: int) -> tuple[int, int, int, int]:
+        """(BLOCK_N, BLOCK_M, BLOCK_K, warps) of the blocked INT4 split-K kernel. Winners of the gemm sweep on
+        an H200 at 5-16 rows (seed-407m shapes)."""
+        if (n, k, rows) in self.splitk_tiles:
+            return self.splitk_tiles[(n, k, rows)]
+        block_m = 16 if rows <= 16 else 64
+        return (32, block_m, 256, 4) if n <= 2048 and k <= 2048 else (64, block_m, 128, 4)
+
+    def gluon_tile(self, n: int, k: int, act: int) -> tuple[int, int, int, int, int]:
+        """(rows per thread, lanes along rows, blocks per thread, warps along rows, warps along blocks) of the
+        Gluon GEMV; see `gluon_gemv_tile`."""
+        if (n, k, act) in self.gluon_tiles:
+            return self.gluon_tiles[(n, k, act)]
+        return gluon_gemv_tile(n, k, act)
+
+    def attention_block(self, head_dim: int) -> tuple[int, int]:
+        return self.attention_tile if head_dim >= 128 else self.narrow_head_attention_tile
+
+    def staged_applies(self, n: int, k: int, act: int) -> bool:
+        """Whether an (N, K, act) one-row product takes the staged GEMV (where `staged_gemv` is on). Rule: the
+        wide products of a layer (N > K: QKV, gate / up) of models with K >= 2048, not a vocabulary head; on
+        seed-407m that is QKV and gate / up, which staged 75.0-75.3 ms against 76.3-76.7 with none (H200, 64
+        decode steps at 8 loops); staging all four layer products did not help (75.2-75.4)."""
+        if self.staged_shapes is not None:
+            return (n, k, act) in self.staged_shapes
+        return act != ACT_GELU and STAGED_MIN_K <= k < n < VOCABULARY_MIN_N
+
+
+# The tile rules below generalise the tiles chosen in the model's own kernel chain on seed-407m (d_model 2048,
+# ffn 5632; coordinate descent on 64 decode tokens at 8 loops; H200, docs/BENCHMARKS.md). Within a decode step
+# the best tile of one matrix depends on its neighbours', so alone-timings mislead. For seed-407m and the
+# built-in model (d_model 384) they return exactly the tiles those measurements chose.
+VOCABULARY_MIN_N = 16384  # an N this large is a vocabulary head
+STAGED_MIN_K = 2048
+
+
+def blocked_gemv_tile(n: int, k: int, rows: int) -> tuple[int, int, int]:
+    """One row: long K (the down projection) (4, 32, 8); wide products over 2048 <= K < 4096 (QKV, gate / up,
+    the head) (4, 8, 2); other heads (8, 8, 4); the rest (attention output, small models) (4, 16, 4).
+    2-4 rows: the sweep's winners by width."""
+    if rows == 1:
+        if k >= 4096 and n < VOCABULARY_MIN_N:
+            return 4, 32, 8
+        if STAGED_MIN_K <= k < min(n, 4096):
+            return 4, 8, 2
+        if n >= VOCABULARY_MIN_N:
+            return 8, 8, 4
+        return 4, 16, 4
+    return (2, 8, 1) if n >= 4096 else (8, 16, 4)
+
+
+def gluon_gemv_tile(n: int, k: int, act: int) -> tuple[int, int, int, int, int]:
+    """Heads (8, 1, 1, 1, 1) (16.6 vs 24.4 µs for the Triton GEMV); few 64-column blocks (K < 1024, the
+    built-in model) 8 lanes along blocks; narrow or long-K products (attention output, down) (4, 1, 1, 2, 2);
+    the wide ones (QKV (4, 1, 1, 4, 1); gate / up (2, 2, 1, 2, 1)) as the chain chose them: 82.1 -> 76.1 ms
+    against the tiles that won alone."""
+    if n >= VOCABULARY_MIN_N:
+        return 8, 1, 1, 1, 1
+    if k < 1024:
+        return (2 if act == ACT_SWIGLU else 4), 2, 1, 2, 1
+    if n <= 2048 or k >= 4096:
+        return 4, 1, 1, 2, 2
+    return (2, 2, 1, 2, 1) if act == ACT_SWIGLU else (4, 1, 1, 4, 1)
