@@ -43,3 +43,10 @@ class NonFiniteLogitsError(RuntimeError):
 
 class ArgumentTypeError(TypeError, ValueError):
     """An argument of the wrong type. A TypeError, and a ValueError too, as the API raised for these before."""
+
+
+class PrefixPoolFormatError(TinyLoopFormatError):
+    """A saved prefix pool file (`PrefixPool.load`) is unreadable, malformed, corrupted, or not of this model.
+
+    `what` names the entry and field (for example "entry 3 tensor 'kv.k'"), as in TinyLoopFormatError.
+    """

@@ -17,6 +17,7 @@ import tinyloop
 from tinyloop.api.model import Model
 from tinyloop.cache import pool_file
 from tinyloop.cache.pool import PrefixPool, content_key
+from tinyloop.errors import PrefixPoolFormatError
 
 SYSTEM = np.arange(30, 60, dtype=np.int32)
 
@@ -118,7 +119,7 @@ def test_save_and_load_round_trip(models, tmp_path) -> None:
     prompt = np.concatenate([SYSTEM[:25], [4, 4]])
     assert m.generate_with_pool(loaded, prompt, 6, 2, temperature=0.0).tolist() == _greedy(m, prompt, n=6)
     assert loaded.stats()["hits"] == 1
-    with pytest.raises(ValueError, match="saved for model .* rebuild the pool"):
+    with pytest.raises(PrefixPoolFormatError, match="'model_key'.* rebuild it with this model"):
         PrefixPool.load(path, models["16bit"])
     (tmp_path / "junk.safetensors").write_bytes(b"not a pool")
     with pytest.raises(ValueError, match="prefix pool file"):

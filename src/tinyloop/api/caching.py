@@ -13,7 +13,7 @@ from tinyloop.api.base import ModelBase
 from tinyloop.api.handles import CacheHandle, PrefixCache, ResumeHandle
 from tinyloop.api.tokens import as_token_array
 from tinyloop.cache.base import ModeCache, copy_out
-from tinyloop.cache.factory import kv_bytes_per_token
+from tinyloop.cache.factory import kv_bytes_per_token, make_cache
 from tinyloop.cache.pool import PrefixPool
 from tinyloop.runtime.continuation import continue_tokens
 from tinyloop.runtime.stats import GenerationStats
@@ -94,6 +94,21 @@ class CachingMixin(ModelBase):
             kv = cache.snapshot(int(ids.numel()), n_loops)
             logits = copy_out(out.logits[0, -1], "prefix logits")
         return self._own(PrefixCache(self.cache_identity, ids.numpy(), n_loops, kv, logits))
+
+    def _prefix_tensor_spec(self, length: int, loops: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Name -> (shape, dtype) of what export_tensors() gives for a prefix of `length` tokens at `loops`
+        in this model's KV mode (a saved pool's entry is checked against it). Built on the meta device."""
+        spec: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            "tokens": ((length,), torch.int32),
+            "last_logits": ((self.header.config.vocab_size,), torch.float32),
+        }
+        meta = torch.device("meta")
+        ref = make_cache(self.kv, self.header.config, 1, length, loops, meta, self._engine.dtype)
+        if ref is not None:
+            ref.lengths = torch.tensor([length])
+            for name, t in ref.snapshot(length, loops).items():
+                spec[f"kv.{name}"] = (tuple(t.shape), t.dtype)
+        return spec
 
     def _prefix_cache_from_tensors(self, tensors: dict[str, torch.Tensor], loops: int) -> PrefixCache:
         """Rebuild a PrefixCache from PrefixCache.export_tensors() (a loaded pool file)."""

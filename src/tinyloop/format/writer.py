@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-import tempfile
 import zlib
 from collections.abc import Callable, Mapping
 
@@ -13,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from tinyloop.config import ArchConfig
+from tinyloop.format.atomic import atomic_output
 from tinyloop.format.encode import HeaderPlan
 from tinyloop.format.header import ModelHeader, read_header
 from tinyloop.format.reader import TORCH_DTYPES
@@ -189,10 +189,8 @@ def _write(
     path = os.fspath(path)
     plan = HeaderPlan(cfg, quant, metadata)
     checksums: dict[str, str] = {}
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f, _progress_bar(path, plan.data_bytes, progress) as bar:
+    with atomic_output(path) as tmp:
+        with open(tmp, "wb") as f, _progress_bar(path, plan.data_bytes, progress) as bar:
             f.truncate(plan.data_start + plan.data_bytes)
             # One logical tensor at a time: only its quantized copy is alive besides the input.
             for spec in model_specs(cfg):
@@ -213,12 +211,6 @@ def _write(
             os.fsync(f.fileno())
         # Validate before publishing, so a bad file never replaces a good one.
         written = read_header(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
     return dataclasses.replace(written, path=path)
 
 
