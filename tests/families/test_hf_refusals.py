@@ -121,3 +121,91 @@ def test_cli_reports_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert "weights: expected model.safetensors or model.safetensors.index.json, found neither" in err
     assert not (tmp_path / "x.tinyloop").exists()
     assert convert_main(["--from-hf", str(folder), "--random", "-o", str(tmp_path / "x.tinyloop")]) == 2
+
+
+@pytest.mark.parametrize("shard", ["../elsewhere/model.safetensors", "/etc/passwd", "a/../../x.safetensors", 7, ""])
+def test_index_pointing_outside_the_folder_is_refused(tmp_path: Path, shard: object) -> None:
+    folder = copy_vectors("ouro", tmp_path / "hf", tokenizer=False)
+    _shard(folder, "ouro")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "model.safetensors").write_bytes((folder / "model-00001-of-00002.safetensors").read_bytes())
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = shard
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(TinyLoopFormatError, match=r"weight_map'.*inside the model folder"):
+        _convert(folder, tmp_path)
+
+
+def _edit_shard_header(path: Path, fn) -> None:  # type: ignore[no-untyped-def]
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    doc = json.loads(raw[8 : 8 + n])
+    fn(doc)
+    header = json.dumps(doc).encode()
+    header += b" " * (-len(header) % 8)
+    path.write_bytes(len(header).to_bytes(8, "little") + header + raw[8 + n :])
+
+
+@pytest.mark.parametrize(
+    ("offsets", "message"),
+    [
+        ([-8, 0], "data_offsets"),
+        ([0, -4], "data_offsets"),
+        ([0, 2**62], "data_offsets"),
+        ([4, 0], "data_offsets"),
+        ("0-4", "data_offsets"),
+        ([0, 4], "bytes"),  # inside the file, but not the tensor's size
+    ],
+)
+def test_bad_offsets_in_a_shard_are_one_error(tmp_path: Path, offsets: object, message: str) -> None:
+    folder = copy_vectors("ouro", tmp_path / "hf", tokenizer=False)
+    _edit_shard_header(folder / "model.safetensors", lambda d: d["model.norm.weight"].update(data_offsets=offsets))
+    with pytest.raises(TinyLoopFormatError, match=rf"model.safetensors tensor 'model.norm.weight'.*{message}"):
+        _convert(folder, tmp_path)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda d: d["model.norm.weight"].update(shape="64"),
+        lambda d: d["model.norm.weight"].update(shape=[-64]),
+        lambda d: d["model.norm.weight"].update(dtype="F8"),
+        lambda d: d.update({"model.norm.weight": [1, 2]}),
+    ],
+)
+def test_bad_shard_entries_are_one_error(tmp_path: Path, edit) -> None:  # type: ignore[no-untyped-def]
+    folder = copy_vectors("ouro", tmp_path / "hf", tokenizer=False)
+    _edit_shard_header(folder / "model.safetensors", edit)
+    with pytest.raises(TinyLoopFormatError, match="model.norm.weight"):
+        _convert(folder, tmp_path)
+
+
+def test_duplicate_keys_in_config_json(tmp_path: Path) -> None:
+    folder = copy_vectors("ouro", tmp_path / "hf", tokenizer=False)
+    text = (folder / "config.json").read_text().rstrip().rstrip("}") + ', "hidden_size": 128}'
+    (folder / "config.json").write_text(text)
+    with pytest.raises(TinyLoopFormatError, match="config.json.*duplicate key 'hidden_size'"):
+        _convert(folder, tmp_path)
+
+
+def test_tensor_in_two_shards(tmp_path: Path) -> None:
+    folder = copy_vectors("ouro", tmp_path / "hf", tokenizer=False)
+    _shard(folder, "ouro")
+    second = load_file(str(folder / "model-00002-of-00002.safetensors"))
+    first = load_file(str(folder / "model-00001-of-00002.safetensors"))
+    name = next(iter(first))
+    second[name] = first[name]
+    save_file(second, str(folder / "model-00002-of-00002.safetensors"))
+    with pytest.raises(TinyLoopFormatError, match=f"'{name}'.*one shard"):
+        _convert(folder, tmp_path)
+
+
+def test_hf_cache_style_symlinked_shards_convert(tmp_path: Path) -> None:
+    folder = copy_vectors("ouro", tmp_path / "hf", tokenizer=False)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (folder / "model.safetensors").rename(blobs / "abc123")
+    (folder / "model.safetensors").symlink_to(Path("..") / "blobs" / "abc123")
+    _convert(folder, tmp_path)
