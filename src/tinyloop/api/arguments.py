@@ -10,6 +10,7 @@ import torch
 
 from tinyloop import log
 from tinyloop.config import MAX_LOOPS, ArchConfig
+from tinyloop.errors import ArgumentTypeError
 
 # The compute dtypes a model runs in, by the names the CLI's --dtype takes.
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -30,7 +31,9 @@ def compute_dtype(dtype: Any, device: torch.device) -> torch.dtype | None:
             raise ValueError(f"dtype must be one of {['auto', *DTYPES]} (or a torch dtype), got {dtype!r}")
         dtype = DTYPES[dtype]
     elif not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype or one of {['auto', *DTYPES]}, got {type(dtype).__name__}")
+        raise ArgumentTypeError(
+            f"dtype must be a torch.dtype or one of {['auto', *DTYPES]}, got {type(dtype).__name__}"
+        )
     if dtype not in DTYPES.values():
         names = ", ".join(f"torch.{n}" for n in DTYPES)
         raise ValueError(f"dtype must be one of {names} (or None for the default), got {dtype}")
@@ -49,7 +52,7 @@ def checked_loops(loops: Any, cfg: ArchConfig, name: str = "loops") -> int:
     if loops is None:
         return cfg.default_loops
     if isinstance(loops, bool) or not isinstance(loops, (int, np.integer)):
-        raise TypeError(f"{name} must be an integer in [1, {max_loops(cfg)}] or None, got {loops!r}")
+        raise ArgumentTypeError(f"{name} must be an integer in [1, {max_loops(cfg)}] or None, got {loops!r}")
     if not 1 <= loops <= max_loops(cfg):
         raise ValueError(f"{name} must be in [1, {max_loops(cfg)}] (the runtime's maximum), got {loops}")
     return int(loops)

@@ -14,6 +14,7 @@ import numpy as np
 
 from tinyloop.cache.pool_file import load_pool, save_pool
 from tinyloop.cache.radix import RadixNode, RadixTree, encode
+from tinyloop.errors import ArgumentTypeError
 
 
 @runtime_checkable
@@ -107,7 +108,7 @@ class PrefixPool:
     def register(self, item: PoolItem) -> str:
         """Add a prefix cache (already present: only marks it used); returns its content key."""
         if not isinstance(item, PoolItem):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"register takes a prefix cache (Model.build_prefix_cache's PrefixCache), got {type(item).__name__}"
             )
         if item.closed:

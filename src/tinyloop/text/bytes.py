@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from tinyloop.errors import ArgumentTypeError
+
 
 class ByteTokenizer:
     """The byte vocabulary's encode / decode, with EmbeddedTokenizer's interface.
@@ -20,7 +22,7 @@ class ByteTokenizer:
 
     def encode(self, text: str, add_bos: bool | None = None) -> np.ndarray:
         if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
+            raise ArgumentTypeError(f"text must be a str, got {type(text).__name__}")
         if add_bos:
             raise ValueError("a byte-level model has no bos token; leave add_bos None or False")
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
