@@ -262,3 +262,16 @@ def test_a_closed_pipe_ends_quietly(tiny_files) -> None:
 def test_convert_entry_point_is_guarded_too(tmp_path) -> None:
     res = run_shell(f"{sys.executable} -m tinyloop.cli.convert --random --preset test-tiny -o {tmp_path}/x/y.tl")
     assert res.returncode == 2 and len(res.stderr.splitlines()) == 1 and "Traceback" not in res.stderr
+
+
+def test_ctrl_c_ends_generation_with_130_and_no_traceback(tiny_files) -> None:
+    import signal
+
+    env = {**os.environ, "TINYLOOP_LOG_LEVEL": "0"}
+    cmd = [sys.executable, "-m", "tinyloop.cli.main", str(tiny_files["f32"]), "generate", "--max-tokens", "1000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    assert proc.stdout.read(3) == b"The"  # generation has started
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and b"Traceback" not in err and err == b""
