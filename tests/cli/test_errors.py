@@ -118,6 +118,7 @@ def tiny_cases(files: dict[str, Path], model: str) -> list[tuple[list[str], int,
         ([model, "benchmark", "--seq-len", "2000"], 2, "--seq-len 2000 exceeds"),
         ([model, "benchmark", "--seq-len", "8", "--device", "tpu"], 2, "--device"),
         ([garbage, "benchmark"], 1, garbage),
+        ([model, "benchmark", "--batch", str(10**7), "--seq-len", "1000", "--device", "cpu"], 1, "out of memory"),
     ]
 
 

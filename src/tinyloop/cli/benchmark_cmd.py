@@ -136,7 +136,7 @@ def render(result: BenchmarkResult) -> str:
         lines.append("switches: " + ", ".join(f"{k}={v}" for k, v in result.switches.items()))
     if result.not_applied:
         lines.append(
-            "not applied by benchmark (it times the forward pass and a 16-bit cached decode): "
+            "not applied (scoring runs every loop without a KV cache; KV-cache switches apply to --decode): "
             + ", ".join(result.not_applied)
         )
     if result.segments:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tinyloop.cache.memory import check_host_memory
 from tinyloop.config import ArchConfig
 from tinyloop.env import RuntimeEnv
 from tinyloop.format.header import ModelHeader
@@ -161,9 +162,23 @@ class BenchmarkResult:
 # ---- measuring ----------------------------------------------------------------------------------
 
 
-# RuntimeEnv switches the benchmark does not apply: its decode timing uses the engine's own 16-bit cache
-# (not the Model's KV mode), and its forward scoring runs every loop (no token-stable early exit).
-NOT_APPLIED = ("disable_kv_cache", "kv_int8", "kv_h_mode", "token_exit", "token_exit_verbose")
+# RuntimeEnv switches that only some timings apply: the forward scoring runs every loop (no token-stable
+# early exit) and holds no KV cache; the decode timing generates through the Model, in its KV mode.
+SCORING_EXIT_SWITCHES = ("token_exit", "token_exit_verbose")
+KV_SWITCHES = ("disable_kv_cache", "kv_int8", "kv_h_mode")
+
+
+def unapplied_switches(bench: BenchmarkConfig) -> tuple[str, ...]:
+    """The RuntimeEnv fields this benchmark run leaves without effect."""
+    return SCORING_EXIT_SWITCHES + (() if bench.decode else KV_SWITCHES)
+
+
+def forward_bytes(cfg: ArchConfig, batch: int, seq_len: int, dtype: torch.dtype) -> int:
+    """Fewest bytes one forward pass over batch x seq_len tokens holds at once: one layer's activations
+    (loop state, residual, normed input, attention output, QKV, three FFN buffers) and float32 logits."""
+    elt = torch.empty((), dtype=dtype).element_size()
+    per_token = (4 * cfg.d_model + cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.ffn_dim) * elt + 4 * cfg.vocab_size
+    return batch * seq_len * per_token
 
 
 def synthetic_tokens(vocab_size: int, batch: int, length: int, seed: int = 0) -> torch.Tensor:
@@ -296,6 +311,7 @@ def run_benchmark(
     bench.decode needs `generate_rows`, the API's batched greedy generation (Model.generate_batch_stream)."""
     cfg = engine.cfg
     bench.check(cfg)
+    check_host_memory(engine.device, forward_bytes(cfg, bench.batch, bench.seq_len, engine.dtype))
     tokens = synthetic_tokens(cfg.vocab_size, bench.batch, bench.seq_len, bench.seed).to(engine.device)
     warmup = not bench.profile
     if warmup:
@@ -323,8 +339,9 @@ def run_benchmark(
         forward=Latency.of(times),
     )
     set_switches = {k: v for k, v in asdict(RuntimeEnv.read()).items() if v}
-    result.switches = {k: v for k, v in set_switches.items() if k not in NOT_APPLIED}
-    result.not_applied = [f"TINYLOOP_{k.upper()}" for k in set_switches if k in NOT_APPLIED]
+    ignored = unapplied_switches(bench)
+    result.switches = {k: v for k, v in set_switches.items() if k not in ignored}
+    result.not_applied = [f"TINYLOOP_{k.upper()}" for k in set_switches if k in ignored]
     if bench.profile:
         result.segments = {name: Latency.of([run[name] for run in segment_runs]) for name in segment_runs[0]}
         result.work = work_split(engine, tokens, bench.loops)
