@@ -117,3 +117,20 @@ def test_byte_model_generate_text_decodes_the_generated_bytes(model) -> None:
     assert text == bytes(ids.tolist()).decode("utf-8", errors="replace")
     pieces = list(model.generate_text_stream(prompt, 12, loops=2, temperature=0.0))
     assert "".join(pieces) == text
+
+
+def test_introspection_refuses_results_that_cannot_fit_before_running(model, monkeypatch) -> None:
+    import tinyloop.cache.memory as memory
+
+    cfg = model.header.config
+    states = (4 + 2) * len(PROMPT) * cfg.d_model * 4  # float32 states of every iteration
+    lens = 2 * 4 * len(PROMPT) * cfg.vocab_size * 4
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: states + lens - 1)
+    with pytest.raises(RuntimeError, match="^out of memory"):
+        model.score_logit_lens(PROMPT, loops=4)
+    assert model.score_logit_lens(PROMPT, loops=4, top_k=3)[0].shape == (4, len(PROMPT), 3)
+    assert model.score_trajectory(PROMPT, loops=4).shape == (6, len(PROMPT), cfg.d_model)
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: states - 1)
+    for call in (model.score_trajectory, model.score_with_uncertainty, model.score_with_consistency):
+        with pytest.raises(RuntimeError, match="^out of memory"):
+            call(PROMPT, loops=4)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from tinyloop.api.base import ModelBase
+from tinyloop.cache.memory import check_host_memory
 from tinyloop.runtime.introspect import depth_logits, kl_divergence, stable_depth, trajectory
 
 
@@ -71,6 +72,7 @@ class IntrospectionMixin(ModelBase):
         pos = _positions(positions, int(ids.shape[1]))
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0):
             raise ValueError(f"top_k must be a positive integer or None, got {top_k!r}")
+        _check_memory(self._engine, ids, n_loops, full_lens=top_k is None)
         traj = trajectory(self._engine, ids, n_loops)
         rows = []
         for logits in depth_logits(self._engine, traj, pos):
@@ -91,7 +93,9 @@ class IntrospectionMixin(ModelBase):
         ([B, 2 + L, T, d] for a [B, T] batch)."""
         self._check_open()
         ids, batched = self._batch(tokens)
-        traj = trajectory(self._engine, ids, self._loops(loops))
+        n_loops = self._loops(loops)
+        _check_memory(self._engine, ids, n_loops)
+        traj = trajectory(self._engine, ids, n_loops)
         return _unbatch(torch.stack(traj.states, dim=1), batched).float().cpu().numpy()
 
     def score_with_uncertainty(self, tokens: Any, loops: int | None = None) -> UncertaintyScores:
@@ -99,7 +103,9 @@ class IntrospectionMixin(ModelBase):
         gains a leading batch axis for a [B, T] batch)."""
         self._check_open()
         ids, batched = self._batch(tokens)
-        traj = trajectory(self._engine, ids, self._loops(loops))
+        n_loops = self._loops(loops)
+        _check_memory(self._engine, ids, n_loops)
+        traj = trajectory(self._engine, ids, n_loops)
         kls = []
         previous = None
         for logits in depth_logits(self._engine, traj):
@@ -130,6 +136,7 @@ class IntrospectionMixin(ModelBase):
         if isinstance(window, bool) or not isinstance(window, int) or not 1 <= window <= n_loops:
             raise ValueError(f"window must be an integer in [1, loops={n_loops}], got {window!r}")
         ids, batched = self._batch(tokens)
+        _check_memory(self._engine, ids, n_loops)
         traj = trajectory(self._engine, ids, n_loops)
         argmax = torch.stack([lg.argmax(-1) for lg in depth_logits(self._engine, traj)])  # [L, B, T]
         consistent = (argmax[-window:] == argmax[-1:]).all(0)
@@ -155,3 +162,14 @@ def _positions(positions: Any, length: int) -> torch.Tensor | None:
     if arr.min() < -length or arr.max() >= length:
         raise ValueError(f"positions must index a sequence of {length} tokens, got {arr.min()}..{arr.max()}")
     return torch.from_numpy(arr.astype(np.int64) % length)
+
+
+def _check_memory(engine: Any, ids: torch.Tensor, loops: int, full_lens: bool = False) -> None:
+    """Refuse before running when the states of every iteration (and, for a full logit lens, its
+    [B, L, T, V] float32 result, built twice) cannot fit in host memory."""
+    batch, length = ids.shape
+    cfg = engine.cfg
+    nbytes = (loops + 2) * batch * length * cfg.d_model * 4
+    if full_lens:
+        nbytes += 2 * loops * batch * length * cfg.vocab_size * 4
+    check_host_memory(torch.device("cpu"), nbytes)
