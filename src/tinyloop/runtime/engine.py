@@ -14,6 +14,7 @@ from tinyloop.cache.kv import KVCache
 from tinyloop.config import ArchConfig
 from tinyloop.errors import ModelClosedError
 from tinyloop.kernels.policy import KernelPolicy
+from tinyloop.log import detail
 from tinyloop.model.layers import KVStore, StepContext, rope_tables
 from tinyloop.model.looped import ForwardOutput, forward, state_noise_table
 from tinyloop.model.weights import ModelWeights
@@ -79,6 +80,11 @@ class Engine:
             self.max_positions = positions
             self.cos, self.sin = rope_tables(self.cfg, positions, self.device)
             self.noise = state_noise_table(self.cfg, positions, self.device)
+            noise = "" if self.noise is None else f"; start-state noise {self.noise.nbytes / 2**20:.2f} MiB"
+            detail(
+                f"allocated RoPE tables: {positions} positions, {(self.cos.nbytes + self.sin.nbytes) / 2**20:.2f} MiB "
+                f"on {self.device}{noise}"
+            )
             if self.decoder is not None:  # it holds the old tables
                 self.decoder.release()
             self.decoder = select_decoder(self)

@@ -1,5 +1,5 @@
 """TINYLOOP_LOG_LEVEL=2 lines about a load: each component's tensors as stored and as prepared on the device,
-the tables the engine allocated, and the decode path (what it will capture)."""
+and the decode path (what it will capture). The engine reports its position tables as it sizes them."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def component(name: str) -> str:
 
 
 def report_load(path: object, stored: Mapping[str, Weight], prepared: Mapping[str, Weight], engine: Engine) -> None:
-    """Level-2 lines: per component, tensors and bytes in the file's form and on the device; tables; decoder."""
+    """Level-2 lines: per component, tensors and bytes in the file's form and on the device; the decoder."""
     groups: dict[str, list[str]] = defaultdict(list)
     for name in prepared:
         groups[component(name)].append(name)
@@ -53,11 +53,6 @@ def report_load(path: object, stored: Mapping[str, Weight], prepared: Mapping[st
             f"loaded {part}: {len(names)} tensors, {before / MiB:.2f} MiB as stored ({', '.join(was)}) -> "
             f"{after / MiB:.2f} MiB ({', '.join(now)}) on {engine.device}"
         )
-    tables = engine.cos.nbytes + engine.sin.nbytes
-    detail(
-        f"allocated RoPE tables: {engine.cos.shape[0]} positions, {tables / MiB:.2f} MiB on {engine.device}"
-        + ("" if engine.noise is None else f"; start-state noise {engine.noise.nbytes / MiB:.2f} MiB")
-    )
     decoder = engine.decoder
     if decoder is None:
         detail("decode: the generic forward (nothing captured)")
