@@ -20,21 +20,26 @@ _EXPORTS = {
     "PrefixCache": "tinyloop.api.handles",
     "ResumeHandle": "tinyloop.api.handles",
     "PrefixPool": "tinyloop.cache.pool",
+    "Scheduler": "tinyloop.api.scheduler",
+    "RequestHandle": "tinyloop.runtime.requests",
+    "QueueFullError": "tinyloop.errors",
 }
 
 __all__ = [
-    "ArchConfig", "Grammar", "Model", "PrefixCache", "PrefixPool", "ResumeHandle", "TinyLoopFormatError",
-    "builtin_names", "load",
+    "ArchConfig", "Grammar", "Model", "PrefixCache", "PrefixPool", "QueueFullError", "RequestHandle",
+    "ResumeHandle", "Scheduler", "TinyLoopFormatError", "builtin_names", "load",
 ]  # fmt: skip
 
 if TYPE_CHECKING:
     from tinyloop.api.handles import PrefixCache, ResumeHandle
     from tinyloop.api.model import Model, load
+    from tinyloop.api.scheduler import Scheduler
     from tinyloop.builtin import builtin_names
     from tinyloop.cache.pool import PrefixPool
     from tinyloop.config import ArchConfig
-    from tinyloop.errors import TinyLoopFormatError
+    from tinyloop.errors import QueueFullError, TinyLoopFormatError
     from tinyloop.grammar import Grammar
+    from tinyloop.runtime.requests import RequestHandle
 
 
 def __getattr__(name: str) -> Any:

@@ -50,3 +50,7 @@ class PrefixPoolFormatError(TinyLoopFormatError):
 
     `what` names the entry and field (for example "entry 3 tensor 'kv.k'"), as in TinyLoopFormatError.
     """
+
+
+class QueueFullError(RuntimeError):
+    """A Scheduler's queue of waiting requests is full (max_queue): retry later."""

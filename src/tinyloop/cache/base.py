@@ -34,9 +34,10 @@ class ModeCache(StepCache, Protocol):
     """A working cache of one KV mode, able to export and import a prefix of row 0.
 
     snapshot(length, loops): independent copies of what positions [0, length) of the slots used at
-    `loops` hold (only those positions: a snapshot's size grows with its length, not with max_seq).
-    restore(tensors, length, loops, use): load such a snapshot into row 0 and keep its first `use`
-    tokens; `can_use(length, use)` says whether that truncation is exact in this mode.
+    `loops` hold in row 0 (only those positions: a snapshot's size grows with its length, not with max_seq).
+    restore(tensors, length, loops, use, row): load such a snapshot into `row` (default 0) and keep its
+    first `use` tokens; `can_use(length, use)` says whether that truncation is exact in this mode.
+    clear_row(row): zero a row's buffers and length (after a failed request: nothing it wrote is read again).
     """
 
     mode: str
@@ -46,7 +47,9 @@ class ModeCache(StepCache, Protocol):
 
     def snapshot(self, length: int, loops: int) -> dict[str, torch.Tensor]: ...
 
-    def restore(self, tensors: dict[str, torch.Tensor], length: int, loops: int, use: int) -> None: ...
+    def restore(self, tensors: dict[str, torch.Tensor], length: int, loops: int, use: int, row: int = 0) -> None: ...
+
+    def clear_row(self, row: int) -> None: ...
 
     def can_use(self, length: int, use: int) -> bool: ...
 
@@ -96,7 +99,7 @@ class PositionalSnapshots:
             for name, (buf, axis) in self._positional().items()
         }
 
-    def restore(self, tensors: dict[str, torch.Tensor], length: int, loops: int, use: int) -> None:
+    def restore(self, tensors: dict[str, torch.Tensor], length: int, loops: int, use: int, row: int = 0) -> None:
         if loops > self.loops or not 0 <= use <= length or use > self.max_seq:
             raise ValueError(f"cannot restore {use} of {length} tokens at {loops} loops into a cache of "
                              f"{self.max_seq} tokens at {self.loops} loops")  # fmt: skip
@@ -105,9 +108,15 @@ class PositionalSnapshots:
             src = tensors[name]
             if src.shape[0] != n or src.shape[axis - 1] != length:
                 raise ValueError(f"snapshot tensor {name!r} has shape {tuple(src.shape)}, not {n} slots x {length}")
-            buf[:n, 0].narrow(axis - 1, 0, use).copy_(src.narrow(axis - 1, 0, use))
+            buf[:n, row].narrow(axis - 1, 0, use).copy_(src.narrow(axis - 1, 0, use))
         self.lengths = self.lengths.clone()
-        self.lengths[0] = use
+        self.lengths[row] = use
+
+    def clear_row(self, row: int) -> None:
+        for buf, _ in self._positional().values():
+            buf[:, row].zero_()
+        self.lengths = self.lengths.clone()
+        self.lengths[row] = 0
 
     def can_use(self, length: int, use: int) -> bool:
         return 0 <= use <= length

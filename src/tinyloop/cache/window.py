@@ -113,18 +113,26 @@ class WindowKVCache:
             "ring_pos": copy_out(self.ring_pos[0], "prefix snapshot"),
         }
 
-    def restore(self, tensors: dict[str, torch.Tensor], length: int, loops: int, use: int) -> None:
+    def restore(self, tensors: dict[str, torch.Tensor], length: int, loops: int, use: int, row: int = 0) -> None:
         if not self.can_use(length, use) or loops > self.loops or tensors["k"].shape[2] != self.window:
             raise ValueError(f"cannot restore {use} of {length} tokens into a sliding-window cache of "
                              f"{self.window} positions at {self.loops} loops")  # fmt: skip
         n = self.cfg.n_cache_slots(loops)
-        self.k[:n, 0].copy_(tensors["k"])
-        self.v[:n, 0].copy_(tensors["v"])
+        self.k[:n, row].copy_(tensors["k"])
+        self.v[:n, row].copy_(tensors["v"])
         pos = tensors["ring_pos"].to(self.ring_pos.device)
         self.ring_pos = self.ring_pos.clone()
-        self.ring_pos[0] = pos.masked_fill(pos >= use, -1)
+        self.ring_pos[row] = pos.masked_fill(pos >= use, -1)
         self.lengths = self.lengths.clone()
-        self.lengths[0] = use
+        self.lengths[row] = use
+
+    def clear_row(self, row: int) -> None:
+        self.k[:, row].zero_()
+        self.v[:, row].zero_()
+        self.ring_pos = self.ring_pos.clone()
+        self.ring_pos[row] = -1
+        self.lengths = self.lengths.clone()
+        self.lengths[row] = 0
 
     def can_use(self, length: int, use: int) -> bool:
         """A snapshot of `length` tokens serves its first `use` if the ring kept everything they see."""

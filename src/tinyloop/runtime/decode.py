@@ -6,6 +6,9 @@ a single row from a restored state), then runs one batched step per token; rows 
 (max_tokens, a stop token, the grammar's end, or `Row.finish` from the consumer, e.g. on a stop string).
 A finished row rides along until the batch ends: it rewrites one position past its end, which nothing
 reads, so the step keeps its shape.
+
+The loop is three functions that the continuous-batching scheduler (runtime/scheduler.py) drives as
+well: `begin` a row, `pick_tokens` from a step's logits, `decode_step` over the cache's rows.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class Row:
     start: Callable[[], torch.Tensor] | None = None
     tokens: list[int] = field(default_factory=list)
     done: bool = False
+    started: float = 0.0  # perf_counter when the row began (its prefill)
+    first_at: float = 0.0  # perf_counter when its first token came
 
     def finish(self, reason: str) -> None:
         if not self.done:
@@ -56,47 +61,57 @@ def decode_rows(engine: Engine, cache: StepCache | None, rows: Sequence[Row]) ->
     """Yield (row index, token) as the rows generate them. With cache None every step recomputes the
     rows' whole sequences. The cache must have one row per request and hold max(row.loops) loops."""
     for row in rows:
-        row.stats.prompt_tokens = int(row.prompt.numel())
-        if row.max_tokens == 0:
-            row.finish("max_tokens")
-        elif row.picker.done():
-            row.finish("grammar_end")
+        begin(row)
     if all(row.done for row in rows):
         return
     loops = max(row.loops for row in rows)
-    sequences = [row.prompt.to(torch.long).tolist() for row in rows]
-    t0 = time.perf_counter()
     logits = _first_logits(engine, cache, rows, loops)
-    step = 0
-    t1 = time.perf_counter()
     while True:
-        for b, row in enumerate(rows):
-            if row.done:
-                continue
-            token = row.picker.pick(logits[b])
-            if token is None:
-                row.finish("stop_token")
-                continue
-            row.tokens.append(token)
-            sequences[b].append(token)
-            stats = row.stats
-            stats.generated_tokens += 1
-            if step == 0:
-                stats.prefill_s = time.perf_counter() - t0
-            else:
-                stats.decode_s = time.perf_counter() - t1
-            yield b, token
-            if len(row.tokens) >= row.max_tokens:
-                row.finish("max_tokens")
-            elif row.picker.done():
-                row.finish("grammar_end")
+        yield from pick_tokens(rows, logits)
         if all(row.done for row in rows):
             return
-        if step == 0:
-            t1 = time.perf_counter()
-        step += 1
-        depth = [row.loops_at(step) for row in rows]
-        logits = _decode_step(engine, cache, rows, sequences, loops, depth)
+        logits = decode_step(engine, cache, rows, loops)
+
+
+def begin(row: Row) -> None:
+    """Start a row's clock and finish it at once if it can produce nothing (max_tokens 0, grammar done)."""
+    row.stats.prompt_tokens = int(row.prompt.numel())
+    row.started = time.perf_counter()
+    if row.max_tokens == 0:
+        row.finish("max_tokens")
+    elif row.picker.done():
+        row.finish("grammar_end")
+
+
+def pick_tokens(rows: Sequence[Row | None], logits: torch.Tensor) -> Iterator[tuple[int, int]]:
+    """Sample each live row's next token from logits [B, V] (row b from logits[b]); yield (b, token)."""
+    for b, row in enumerate(rows):
+        if row is not None and not row.done:
+            token = pick_token(row, logits[b])
+            if token is not None:
+                yield b, token
+
+
+def pick_token(row: Row, logits: torch.Tensor) -> int | None:
+    """Row's next token from its logits [V] (None: the row finished without one), with its bookkeeping."""
+    token = row.picker.pick(logits)
+    if token is None:
+        row.finish("stop_token")
+        return None
+    row.tokens.append(token)
+    stats = row.stats
+    stats.generated_tokens += 1
+    now = time.perf_counter()
+    if stats.generated_tokens == 1:
+        stats.prefill_s = now - row.started
+        row.first_at = now
+    else:
+        stats.decode_s = now - row.first_at
+    if len(row.tokens) >= row.max_tokens:
+        row.finish("max_tokens")
+    elif row.picker.done():
+        row.finish("grammar_end")
+    return token
 
 
 def _depth_tensor(depth: Sequence[int]) -> torch.Tensor:
@@ -127,30 +142,31 @@ def _first_logits(engine: Engine, cache: StepCache | None, rows: Sequence[Row], 
     return out.logits[:, -1]
 
 
-def _decode_step(
-    engine: Engine,
-    cache: StepCache | None,
-    rows: Sequence[Row],
-    sequences: Sequence[Sequence[int]],
-    loops: int,
-    depth: Sequence[int],
-) -> torch.Tensor:
-    """One token for every row (a finished row repeats its last one, which nothing reads): logits [B, V]."""
+def decode_step(engine: Engine, cache: StepCache | None, rows: Sequence[Row | None], loops: int) -> torch.Tensor:
+    """One token for every cache row: logits [B, V]. Row b of the cache belongs to rows[b]; a finished
+    row, or a slot without a row (None), feeds a dummy token at its end, which nothing reads, and keeps
+    its length. Each live row runs its own depth (`loops_at` its next decode step); `loops` (at least
+    every live row's) sizes the step. With cache None every row's whole sequence is recomputed."""
+    live = [row is not None and not row.done for row in rows]
+    depth = [
+        row.loops_at(len(row.tokens)) if row is not None and ok else loops for row, ok in zip(rows, live, strict=True)
+    ]
     depths = _depth_tensor(depth)
     if cache is None:
+        sequences = [row.prompt.tolist() + row.tokens if row is not None else [0] for row in rows]
         tokens, lengths = _padded(sequences)
         out = engine.step(tokens, None, loops, valid=lengths, last_only=True, depth=depths)
         assert out.logits is not None
         return out.logits[:, -1]
-    feed = torch.tensor([[row.tokens[-1] if row.tokens else 0] for row in rows], dtype=torch.long)
+    feed = torch.tensor([[row.tokens[-1] if row is not None and row.tokens else 0] for row in rows], dtype=torch.long)
     before = cache.lengths.clone()
     out = engine.step(feed, cache, loops, last_only=True, depth=depths)
     assert out.logits is not None
-    finished = torch.tensor([row.done for row in rows])
+    finished = ~torch.tensor(live)
     if bool(finished.any()):
         cache.lengths = torch.where(finished, before, cache.lengths)
     for b, row in enumerate(rows):
-        if not row.done and depth[b] < row.loops:
+        if row is not None and live[b] and depth[b] < row.loops:
             end = int(cache.lengths[b])
             fill_skipped_iterations(cache, depth[b], row.loops, end - 1, end, row=b if len(rows) > 1 else None)
     return out.logits[:, -1]

@@ -1,0 +1,155 @@
+"""`tinyloop.Scheduler`: continuous batching for one Model — requests submitted from any thread join a
+fixed set of cache rows while others decode (the loop itself: runtime/scheduler.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from tinyloop.api.decoding import depth_schedule, grammar_index, model_vocab
+from tinyloop.api.handles import PrefixCache
+from tinyloop.api.model import Model
+from tinyloop.cache.factory import make_cache
+from tinyloop.cache.pool import PrefixPool
+from tinyloop.grammar.vocab import TokenVocab
+from tinyloop.runtime.decode import Row
+from tinyloop.runtime.requests import Request, RequestHandle, RequestStats
+from tinyloop.runtime.sampling import TokenPicker
+from tinyloop.runtime.scheduler import PrefixHooks, SchedulerLimits, SlotScheduler
+from tinyloop.runtime.stop_strings import StopStringFilter
+
+# The prefix pool a Scheduler keeps by default (prefix_pool=True): at most this many bytes of prompt K/V.
+DEFAULT_POOL_BYTES = 64 << 20
+DEFAULT_QUEUE = 1024
+DEFAULT_PREFILL_CHUNK = 256
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class Scheduler(SlotScheduler):
+    """Continuous batching over `max_batch` slots (rows of one static per-(iteration, layer) cache).
+
+    `submit(prompt, **generate's keyword arguments)` returns a RequestHandle at once (thread-safe; a full
+    queue raises QueueFullError); the engine thread admits waiting requests into free slots, prefilling at
+    most `prefill_chunk_tokens` prompt tokens per step between batched decode steps, so running requests
+    keep streaming. Each request's tokens are those `Model.generate` gives with the same arguments (greedy
+    exactly; seeded sampling exactly on the CPU).
+
+    max_seq_len: prompt + max_tokens of one request (default: the model's max_seq_len). max_loops: the
+    deepest request allowed (default: the model's default loops); the slots hold that many iterations.
+    prefix_pool: True (default) keeps a private tinyloop.PrefixPool of DEFAULT_POOL_BYTES; False turns
+    it off; a PrefixPool is used as given (it must then not be used by other threads while this runs).
+    Admission starts from the pool's longest matching prefix; each prefilled prompt is offered to it.
+
+    Run with start()/stop() or `with tinyloop.Scheduler(model) as s:` (stop drains on a normal exit).
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        max_batch: int = 8,
+        max_seq_len: int | None = None,
+        max_queue: int = DEFAULT_QUEUE,
+        *,
+        max_loops: int | None = None,
+        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK,
+        prefix_pool: PrefixPool | bool = True,
+    ) -> None:
+        if not isinstance(model, Model):
+            raise TypeError(f"Scheduler takes a tinyloop.Model, got {type(model).__name__}")
+        model._check_open()
+        seq = model.max_seq_len if max_seq_len is None else _positive("max_seq_len", max_seq_len)
+        if seq > model.max_seq_len:
+            raise ValueError(f"max_seq_len {seq} exceeds the model's max_seq_len {model.max_seq_len}; "
+                             "load the Model with a larger max_seq_len")  # fmt: skip
+        limits = SchedulerLimits(
+            max_batch=_positive("max_batch", max_batch),
+            max_seq_len=seq,
+            max_loops=model._loops(max_loops),
+            max_queue=_positive("max_queue", max_queue),
+            prefill_chunk_tokens=_positive("prefill_chunk_tokens", prefill_chunk_tokens),
+        )
+        self.model = model
+        engine = model._engine
+        cfg = model.header.config
+
+        def new_cache(batch: int) -> Any:
+            return make_cache(model.kv, cfg, batch, seq, limits.max_loops, engine.device, engine.dtype)
+
+        pool: PrefixPool | None
+        if prefix_pool is True:
+            pool = PrefixPool(DEFAULT_POOL_BYTES)
+        elif prefix_pool is False:
+            pool = None
+        elif isinstance(prefix_pool, PrefixPool):
+            pool = prefix_pool
+        else:
+            raise TypeError(f"prefix_pool must be True, False or a tinyloop.PrefixPool, got {prefix_pool!r}")
+        hooks = None
+        if pool is not None and model.kv.mode != "none":
+            model._pools.add(pool)
+            key = model.cache_identity
+
+            def make_entry(ids: np.ndarray, loops: int, kv: dict[str, torch.Tensor], logits: torch.Tensor) -> Any:
+                return model._own(PrefixCache(key, ids, loops, kv, logits))
+
+            hooks = PrefixHooks(pool, key, model._can_use, make_entry)
+        self.prefix_pool = pool
+        self._vocab: TokenVocab | None = None
+        super().__init__(engine, new_cache, limits, hooks)
+
+    def submit(
+        self,
+        prompt: Any,
+        max_tokens: int = 128,
+        loops: int | None = None,
+        temperature: float = 0.8,
+        top_k: int = 50,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        *,
+        stop_tokens: Any = None,
+        stop: Any = None,
+        grammar: Any = None,
+        l_warmup_tokens: int = 0,
+        l_warmup_loops: int = 2,
+    ) -> RequestHandle:
+        """Queue a request (prompt: token ids; arguments as in `Model.generate`, checked here: ValueError /
+        TypeError). Raises QueueFullError when max_queue requests are already waiting."""
+        model = self.model
+        model._check_open()
+        ids = model._tokens(prompt, "prompt")
+        params = model._params(
+            max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+            stop_tokens=stop_tokens, stop=stop, grammar=grammar, l_warmup_tokens=l_warmup_tokens,
+            l_warmup_loops=l_warmup_loops,
+        )  # fmt: skip
+        n_loops = params.loops
+        assert n_loops is not None
+        limits = self.limits
+        if n_loops > limits.max_loops:
+            raise ValueError(f"loops {n_loops} exceeds this scheduler's max_loops {limits.max_loops}; "
+                             f"create the Scheduler with max_loops >= {n_loops}")  # fmt: skip
+        if ids.numel() + params.max_tokens > limits.max_seq_len:
+            raise ValueError(f"prompt ({ids.numel()} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"scheduler's max_seq_len {limits.max_seq_len}")  # fmt: skip
+        vocab = self._model_vocab() if params.grammar is not None or params.stop else None
+        index = grammar_index(params.grammar, vocab, model.device) if vocab is not None else None
+        schedule = depth_schedule(params.l_warmup_tokens, params.l_warmup_loops, n_loops)
+        row = Row(ids, n_loops, params.max_tokens, TokenPicker(params, index, params.stop_tokens), schedule)
+        stop_filter = StopStringFilter(vocab, params.stop) if params.stop and vocab is not None else None
+        return self._enqueue(Request(row, RequestHandle(int(ids.numel())), stop_filter))
+
+    def _model_vocab(self) -> TokenVocab:
+        if self._vocab is None:
+            self._vocab = model_vocab(self.model.header.config, self.model._tokenizer_json())
+        return self._vocab
+
+
+__all__ = ["RequestHandle", "RequestStats", "Scheduler"]
