@@ -69,3 +69,13 @@ def test_no_nanobind_leak_report_at_exit() -> None:
     assert res.returncode == 0, res.stderr
     assert "segments" in res.stdout
     assert "nanobind" not in res.stderr and "leaked" not in res.stderr  # (torch.profiler prints its own lines)
+
+
+def test_inspect_and_verify_through_the_dispatcher_stay_torch_free() -> None:
+    code = (
+        "import sys; from tinyloop.cli.main import main; "
+        "codes = [main(['tiny', 'inspect']), main(['tiny', 'verify']), main(['tiny', 'inspect', '--bogus'])]; "
+        "print(codes, [m for m in ('torch', 'numpy', 'triton') if m in sys.modules])"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.stdout.strip().splitlines()[-1] == "[0, 0, 2] []", res.stderr

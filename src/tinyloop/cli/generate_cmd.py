@@ -51,6 +51,8 @@ TEXT_ONLY = {
 
 def run_generate(path: str, argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if not args.l_warmup_tokens:
+        refuse_unused(args, {"l_warmup_L": 2}, "the warm-up depth needs --l-warmup-tokens N (N > 0)")
     if args.l_warmup_tokens and args.l_warmup_L > args.loops:
         raise CliError(f"--l-warmup-L ({args.l_warmup_L}) must not exceed --loops ({args.loops})")
     if args.stop is not None and not all(args.stop):

@@ -68,6 +68,8 @@ def run_speculate(path: str, argv: list[str]) -> int:
             f"--cache-window {args.cache_window} cannot be used with speculate: rejected drafts are rolled back, "
             "which a sliding window cannot do; use --cache-window 0"
         )
+    if not args.l_warmup_tokens:
+        refuse_unused(args, {"l_warmup_L": 2}, "the warm-up depth needs --l-warmup-tokens N (N > 0)")
     if args.l_warmup_tokens and args.l_warmup_L > args.verify_loops:
         raise CliError(f"--l-warmup-L ({args.l_warmup_L}) must not exceed --verify-loops ({args.verify_loops})")
     if args.stop is not None and not all(args.stop):

@@ -12,6 +12,7 @@ from tinyloop.cli.args import (
     loop_count,
     non_negative_int,
     probability,
+    refuse_unused,
     report_grammar_cut,
     torch_dtype,
     utf8_text,
@@ -58,6 +59,8 @@ def run_text_generate(path: str, args: argparse.Namespace, argv: list[str], gram
     utf8_text(args.prompt, "--prompt")
     if args.system is not None:
         utf8_text(args.system, "--system")
+    if args.exit_criterion is None:
+        refuse_unused(args, {"exit_tol": None, "min_loops": 1}, "these tune --exit-criterion, which is not given")
     if args.system is not None and not args.chat:
         raise CliError("--system is a chat message: it needs --chat")
     for text in args.stop or ():
