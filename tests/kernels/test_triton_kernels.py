@@ -70,17 +70,21 @@ def _rows(w, n):  # type: ignore[no-untyped-def]
     return w[:n].contiguous()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows", [1, 2, 4, 5, 16])
+# Left out: bfloat16 in the tensor-core kernel (Triton's interpreter multiplies bfloat16 tl.dot operands wrongly;
+# checked on the GPU instead) and float16 in the GEMV (its 16-bit path is the one bfloat16 takes).
+BLOCKED_CASES = [
+    (dtype, rows)
+    for rows in (1, 2, 4, 5, 16)
+    for dtype in ((torch.float32, torch.bfloat16) if rows <= POLICY.matvec_max_rows else (torch.float32, torch.float16))
+]
+
+
+@pytest.mark.parametrize(("dtype", "rows"), BLOCKED_CASES)
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_blocked_int4_gemv_matches_reference(dtype: torch.dtype, rows: int, group: int) -> None:
     """The blocked-layout kernels with every fusion, against the plain-layout weight's float64 product: the
     GEMV (1-4 rows) and the split-K tensor-core kernel (5, 16 rows; K split in two where it is 320);
     K = 5 or 10 blocks leaves a partial tile of blocks, N = 37 a partial tile of features."""
-    if rows > POLICY.matvec_max_rows and dtype == torch.bfloat16:
-        pytest.skip("Triton's interpreter multiplies bfloat16 tl.dot operands wrongly; checked on the GPU instead")
-    if rows <= POLICY.matvec_max_rows and dtype == torch.float16:
-        pytest.skip("the GEMV's 16-bit path is covered by bfloat16")
     gen = torch.Generator().manual_seed(rows + group)
     K, N = 384 if group == 128 else 320, 37
     raw = torch.randn(2 * N, K, generator=gen) / K**0.5
