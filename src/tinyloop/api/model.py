@@ -113,6 +113,7 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin, Batch
         grammar: Any = None,
         l_warmup_tokens: int = 0,
         l_warmup_loops: int = 2,
+        logprobs: int | None = None,
         text: bool = False,
     ) -> Iterator[Any]:
         """Yield new token ids one at a time (arguments as in `generate`); with text=True yield
@@ -125,7 +126,7 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin, Batch
         params = self._params(
             max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop_tokens=stop_tokens, stop=stop, grammar=grammar, l_warmup_tokens=l_warmup_tokens,
-            l_warmup_loops=l_warmup_loops,
+            l_warmup_loops=l_warmup_loops, logprobs=logprobs,
         )  # fmt: skip
         return self._stream(ids, params, bool(text))
 
@@ -144,6 +145,7 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin, Batch
         grammar: Any = None,
         l_warmup_tokens: int = 0,
         l_warmup_loops: int = 2,
+        logprobs: int | None = None,
     ) -> np.ndarray:
         """New token ids (np.int32) after `prompt`. temperature 0 is greedy; a seed makes sampling repeat.
 
@@ -153,10 +155,12 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin, Batch
         when nothing else can follow, and `last_stats.finished` is False if max_tokens cut it in a
         non-accepting state. l_warmup_tokens / l_warmup_loops: the first N decode steps run at M loops
         (see DepthSchedule for what deeper iterations then read). `last_stats.stop_reason` says why it ended.
+        logprobs=k: `last_stats.logprobs` gets each generated token's log-probability under the model and its
+        k most likely alternatives (k in 0..20).
         """
         stream = self.generate_stream(
             prompt, max_tokens, loops, temperature, top_k, top_p, seed, stop_tokens=stop_tokens, stop=stop,
-            grammar=grammar, l_warmup_tokens=l_warmup_tokens, l_warmup_loops=l_warmup_loops,
+            grammar=grammar, l_warmup_tokens=l_warmup_tokens, l_warmup_loops=l_warmup_loops, logprobs=logprobs,
         )  # fmt: skip
         return np.fromiter(stream, dtype=np.int32)
 

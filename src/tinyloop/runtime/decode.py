@@ -22,7 +22,7 @@ import torch
 from tinyloop.cache.base import StepCache
 from tinyloop.runtime.depth_schedule import DepthSchedule, fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
-from tinyloop.runtime.sampling import TokenPicker
+from tinyloop.runtime.sampling import TokenPicker, token_logprob
 from tinyloop.runtime.stats import GenerationStats
 
 
@@ -100,6 +100,8 @@ def pick_token(row: Row, logits: torch.Tensor) -> int | None:
         return None
     row.tokens.append(token)
     stats = row.stats
+    if row.picker.params.logprobs is not None:
+        stats.logprobs.append(token_logprob(logits, token, row.picker.params.logprobs))
     stats.generated_tokens += 1
     now = time.perf_counter()
     if stats.generated_tokens == 1:

@@ -55,6 +55,7 @@ def stream_tokens(
         and schedule is None
         and grammar is None
         and params.temperature == 0.0
+        and params.logprobs is None  # recorded by the decode loop only
     )
     try:
         if pipelined:

@@ -7,6 +7,7 @@ import torch
 
 from tinyloop.errors import NonFiniteLogitsError
 from tinyloop.grammar.index import TokenIndex
+from tinyloop.runtime.stats import TokenLogprob
 from tinyloop.sampling import SamplingParams
 
 
@@ -21,6 +22,16 @@ def sample_next(
     if temperature == 0.0:
         return int(torch.argmax(logits))
     return int(torch.multinomial(filtered_probs(logits, temperature, top_k, top_p), 1, generator=generator))
+
+
+def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability under logits [V] and the `top` most likely tokens (ties: lower id first)."""
+    logp = torch.log_softmax(logits.double().cpu(), dim=-1)
+    pairs: tuple[tuple[int, float], ...] = ()
+    if top:
+        values, ids = torch.topk(logp, min(top, logp.numel()))
+        pairs = tuple((int(i), float(v)) for i, v in zip(ids.tolist(), values.tolist(), strict=True))
+    return TokenLogprob(token, float(logp[token]), pairs)
 
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:

@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (log-softmax of its logits, before temperature,
+    top-k/top-p and grammar masks) and the `top` most likely (token, log-probability) pairs."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -16,6 +26,8 @@ class GenerationStats:
     # non-accepting state at the end: the text is then only a prefix of a match.
     stop_reason: str = ""
     finished: bool = True
+    # One entry per generated token when the request asked for logprobs (SamplingParams.logprobs).
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def decode_tokens_per_s(self) -> float:

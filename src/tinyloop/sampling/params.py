@@ -19,6 +19,8 @@ from tinyloop.errors import ArgumentTypeError
 
 # torch.Generator.manual_seed takes any value in [0, 2**64).
 SEED_LIMIT = 1 << 64
+# Most alternatives a request may ask per token (the OpenAI API's limit on top_logprobs).
+MAX_TOP_LOGPROBS = 20
 EXIT_CRITERIA = ("kl", "entropy", "argmax", "latent", "gate")
 
 
@@ -119,6 +121,8 @@ class SamplingParams:
     (a regex str is compiled into one). l_warmup_tokens / l_warmup_loops: the depth schedule (the first N
     decode steps at M loops). exit_*: the families' exit policy (Ouro's rules: exit_threshold,
     exit_at_step, weighted_exit; per-token adaptive depth: exit_criterion, exit_tol, min_loops).
+    logprobs: record each generated token's log-probability and its `logprobs` most likely alternatives
+    (0 to 20; None records nothing) in the request's stats.
     """
 
     max_tokens: int = 128
@@ -138,6 +142,7 @@ class SamplingParams:
     exit_criterion: str | None = None
     exit_tol: float | None = None
     min_loops: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         top_p = _number("top_p", self.top_p)
@@ -171,7 +176,10 @@ class SamplingParams:
             "weighted_exit": bool(self.weighted_exit),
             "exit_tol": None if self.exit_tol is None else _number("exit_tol", self.exit_tol),
             "min_loops": _int("min_loops", self.min_loops, 1),
+            "logprobs": _optional_int("logprobs", self.logprobs, 0),
         }
+        if normal["logprobs"] is not None and normal["logprobs"] > MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {self.logprobs!r}")
         for name, value in normal.items():
             object.__setattr__(self, name, value)  # normalising in __post_init__: the object is not yet shared
         if self.loops is not None and self.l_warmup_tokens and self.l_warmup_loops > self.loops:
