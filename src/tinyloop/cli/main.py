@@ -17,6 +17,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "lens": ("tinyloop.cli.lens_cmd", "run_lens"),
     "speculate": ("tinyloop.cli.speculate_cmd", "run_speculate"),
     "benchmark": ("tinyloop.cli.benchmark_cmd", "run_benchmark"),
+    "serve": ("tinyloop.cli.serve_cmd", "run_serve"),
 }
 LATER: set[str] = set()
 
@@ -30,6 +31,7 @@ commands:
   speculate  self-speculative decoding: draft with --draft-loops, verify with --verify-loops
   lens       the top prediction after each loop at every position (--plot FILE.png for a heatmap)
   benchmark  latency and tokens/s of forward scoring (--decode N: cached generation) on synthetic tokens
+  serve      an OpenAI-compatible HTTP server (needs the 'serve' extra: pip install 'loopformer[serve]')
 run `tinyloop <model> <command> --help` for a command's options."""
 
 

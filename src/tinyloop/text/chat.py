@@ -5,6 +5,8 @@ chatml (Ouro): `<|im_start|>{role}\n{content}<|im_end|>\n` per message; generati
 huginn: `<|begin_text|>` then `<|begin_header|>{role}<|end_header|>\n\n{content.strip()}<|end_turn|>` per
 message, the assistant role rendered as `Huginn`; generation prompt `<|begin_header|>Huginn<|end_header|>\n\n`,
 otherwise `<|end_text|>` closes the text.
+plain (byte models, which have no template of their own): `{role}: {content}\n` per message; generation
+prompt `assistant:`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 ROLES = ("system", "user", "assistant")
+PLAIN_TEMPLATE = "plain"
 
 
 def _messages(messages: Sequence[Any]) -> list[tuple[str, str]]:
@@ -29,6 +32,9 @@ def _messages(messages: Sequence[Any]) -> list[tuple[str, str]]:
 def render_chat(template: str, messages: Sequence[Any], add_generation_prompt: bool = True) -> str:
     """The prompt text for `messages` ([{"role": ..., "content": ...}]) under a built-in template."""
     items = _messages(messages)
+    if template == PLAIN_TEMPLATE:
+        text = "".join(f"{role}: {content}\n" for role, content in items)
+        return text + ("assistant:" if add_generation_prompt else "")
     if template == "chatml":
         text = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in items)
         return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")

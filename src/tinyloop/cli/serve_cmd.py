@@ -1,0 +1,71 @@
+"""`tinyloop MODEL serve`: the OpenAI-compatible HTTP server (tinyloop.serve) on one host and port."""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+import sys
+
+from tinyloop.cli.args import CliError, Parser, add_dtype_argument, non_negative_float, positive_int, torch_dtype
+
+SERVE_MODULES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="tinyloop serve", description="Serve the model over the OpenAI HTTP API (/v1/completions, "
+               "/v1/chat/completions, /v1/models, /health, /metrics, /tokenize, /detokenize).")  # fmt: skip
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000; 0 picks a free one)")
+    p.add_argument("--max-batch", type=positive_int, default=8, help="requests decoded together (default: 8)")
+    p.add_argument("--max-queue", type=positive_int, default=256,
+                   help="requests waiting at most; more are refused with HTTP 503 (default: 256)")  # fmt: skip
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and tokenizer endpoints")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the file's stem)")
+    p.add_argument(
+        "--max-seq-len",
+        type=positive_int,
+        default=None,
+        help="positions per request (default: the model's)",
+    )
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    add_dtype_argument(p)
+    p.add_argument("--shutdown-grace", type=non_negative_float, default=10.0, metavar="S",
+                   help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are aborted "
+                   "(default: 10)")  # fmt: skip
+    return p
+
+
+def run_serve(path: str, argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    missing = [pip for module, pip in SERVE_MODULES.items() if importlib.util.find_spec(module) is None]
+    if missing:
+        raise CliError(f"tinyloop serve needs the 'serve' extra: pip install 'loopformer[serve]' "
+                       f"(missing: {', '.join(missing)})", code=1)  # fmt: skip
+    if not 0 <= args.port <= 65535:
+        raise CliError(f"--port must be in [0, 65535], got {args.port}")
+    sock = _listening_socket(args.host, args.port)  # before loading: a taken port is one line, at once
+    from tinyloop.api.model import Model
+    from tinyloop.serve.server import serve
+
+    def load() -> Model:
+        return Model(path, max_seq_len=args.max_seq_len, device=args.device, dtype=torch_dtype(args.dtype, args.device))
+
+    host, port = sock.getsockname()[:2]
+    print(f"tinyloop serve: listening on http://{host}:{port} (OpenAI API under /v1; GET /health answers 200 "
+          "once the model has loaded)", file=sys.stderr, flush=True)  # fmt: skip
+    serve(load, sock, served_model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
+          max_queue=args.max_queue, shutdown_grace_s=args.shutdown_grace)  # fmt: skip
+    return 0
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        raise CliError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", code=1) from None
+    sock.set_inheritable(True)
+    return sock
