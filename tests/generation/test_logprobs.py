@@ -44,3 +44,18 @@ def test_sampled_tokens_get_their_own_logprob_and_none_records_nothing(tiny: tin
 def test_logprobs_out_of_range_is_refused(tiny: tinyloop.Model, bad: object) -> None:
     with pytest.raises((ValueError, TypeError), match="logprobs"):
         tiny.generate([1, 2], 2, logprobs=bad)
+
+
+def test_scheduled_requests_record_the_same_logprobs_as_alone(tiny: tinyloop.Model) -> None:
+    prompts = [np.frombuffer(p, dtype=np.uint8).astype(np.int32) for p in (b"One", b"Two loops")]
+    with tinyloop.Scheduler(tiny, max_batch=2, max_seq_len=64) as scheduler:
+        handles = [scheduler.submit(p, 5, temperature=0, logprobs=2) for p in prompts]
+        outs = [h.result(60) for h in handles]
+    for prompt, out, handle in zip(prompts, outs, handles, strict=True):
+        alone = tiny.generate(prompt, 5, temperature=0, logprobs=2)
+        np.testing.assert_array_equal(out, alone)
+        got = handle.stats.logprobs
+        assert [r.token for r in got] == alone.tolist()
+        for mine, ref in zip(got, tiny.last_stats.logprobs, strict=True):
+            assert mine.logprob == pytest.approx(ref.logprob, abs=1e-4)
+            assert [t for t, _ in mine.top] == [t for t, _ in ref.top]

@@ -9,14 +9,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+SEQ = 320  # positions per request in the test servers
+
 
 @contextmanager
 def running_server(model: Any, **options: Any) -> Iterator[str]:
-    """Serve `model` on 127.0.0.1 and a free port; yields the base URL."""
+    """Serve `model` on 127.0.0.1 and a free port; yields the base URL. A few short rows by default:
+    the scheduler allocates max_batch x max_seq_len positions at start."""
     import uvicorn
 
     from tinyloop.serve import create_app
 
+    options = {"max_batch": 4, "max_seq_len": SEQ, **options}
     app = create_app(model, served_model_name="tiny", **options)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))

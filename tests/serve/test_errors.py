@@ -27,7 +27,7 @@ def assert_error(response: httpx.Response, status: int, kind: str, param: str | 
         ({"max_tokens": -1}, "max_tokens", "greater than or equal to 0"),  # FastAPI's 422, remapped
         ({"temperature": "hot"}, "temperature", "number"),
         ({"seed": -3}, "seed", "seed must be an integer in [0, 2**64)"),  # refused by SamplingParams
-        ({"max_tokens": 100000}, None, "exceeds max_seq_len"),
+        ({"max_tokens": 100000}, None, "exceeds the scheduler's max_seq_len"),
         ({"top_p": 0}, "top_p", "greater than 0"),
         ({"extra": 1, "loops": 0}, "loops", "loops"),
         ({"regex": "(unclosed"}, "regex", ""),
@@ -81,7 +81,7 @@ def test_wrong_api_key_is_401_and_a_full_queue_503(tiny_model) -> None:
         assert httpx.get(f"{url}/v1/models", headers=auth).status_code == 200
         assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
 
-        long = dict(body, max_tokens=400, stream=True)
+        long = dict(body, max_tokens=300, stream=True)
         first_tokens = threading.Barrier(2)
 
         def hold() -> None:

@@ -136,3 +136,14 @@ def test_models_health_tokenize_detokenize(client: openai.OpenAI, base_url: str)
     assert ids["tokens"] == list("héllo".encode()) and ids["count"] == 6
     back = httpx.post(f"{base_url}/detokenize", json={"tokens": ids["tokens"]}).json()
     assert back == {"prompt": "héllo"}
+
+
+def test_exit_criterion_in_extra_body_reports_its_depth(client: openai.OpenAI, tiny_model) -> None:
+    extra = {"loops": 8, "exit_criterion": "kl", "exit_tol": 1e9}  # any KL passes: each token stops at min_loops
+    r = client.completions.create(model="tiny", prompt="The loop ", max_tokens=4, temperature=0, extra_body=extra)
+    ids = np.frombuffer(b"The loop ", dtype=np.uint8).astype(np.int32)
+    expected = tiny_model.generate_tokens(ids, 4, 8, temperature=0, exit_criterion="kl", exit_tol=1e9)
+    assert r.choices[0].text == bytes(expected.astype(np.uint8)).decode("utf-8", errors="replace")
+    depths = tiny_model.last_family_stats.exit_depths
+    assert r.usage is not None and r.usage.model_extra["loops_per_token"] == pytest.approx(sum(depths) / len(depths))
+    assert r.usage.model_extra["loops_per_token"] < 8

@@ -119,6 +119,7 @@ class Scheduler(SlotScheduler):
         grammar: Any = None,
         l_warmup_tokens: int = 0,
         l_warmup_loops: int = 2,
+        logprobs: int | None = None,
     ) -> RequestHandle:
         """Queue a request (prompt: token ids; arguments as in `Model.generate`, checked here: ValueError /
         TypeError). Raises QueueFullError when max_queue requests are already waiting."""
@@ -128,7 +129,7 @@ class Scheduler(SlotScheduler):
         params = model._params(
             max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop_tokens=stop_tokens, stop=stop, grammar=grammar, l_warmup_tokens=l_warmup_tokens,
-            l_warmup_loops=l_warmup_loops,
+            l_warmup_loops=l_warmup_loops, logprobs=logprobs,
         )  # fmt: skip
         n_loops = params.loops
         assert n_loops is not None
@@ -144,7 +145,9 @@ class Scheduler(SlotScheduler):
         schedule = depth_schedule(params.l_warmup_tokens, params.l_warmup_loops, n_loops)
         row = Row(ids, n_loops, params.max_tokens, TokenPicker(params, index, params.stop_tokens), schedule)
         stop_filter = StopStringFilter(vocab, params.stop) if params.stop and vocab is not None else None
-        return self._enqueue(Request(row, RequestHandle(int(ids.numel())), stop_filter))
+        handle = RequestHandle(int(ids.numel()))
+        handle.stats.logprobs = row.stats.logprobs  # the decode loop's records, read as the tokens arrive
+        return self._enqueue(Request(row, handle, stop_filter))
 
     def _model_vocab(self) -> TokenVocab:
         if self._vocab is None:

@@ -6,7 +6,15 @@ import importlib.util
 import socket
 import sys
 
-from tinyloop.cli.args import CliError, Parser, add_dtype_argument, non_negative_float, positive_int, torch_dtype
+from tinyloop.cli.args import (
+    CliError,
+    Parser,
+    add_dtype_argument,
+    loop_count,
+    non_negative_float,
+    positive_int,
+    torch_dtype,
+)
 
 SERVE_MODULES = {"fastapi": "fastapi", "uvicorn": "uvicorn", "prometheus_client": "prometheus-client"}
 
@@ -26,6 +34,12 @@ def build_parser() -> Parser:
         type=positive_int,
         default=None,
         help="positions per request (default: the model's)",
+    )
+    p.add_argument(
+        "--max-loops",
+        type=loop_count,
+        default=None,
+        help="deepest loops a request may ask (default: the model's default loops)",
     )
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     add_dtype_argument(p)
@@ -54,7 +68,7 @@ def run_serve(path: str, argv: list[str]) -> int:
     print(f"tinyloop serve: listening on http://{host}:{port} (OpenAI API under /v1; GET /health answers 200 "
           "once the model has loaded)", file=sys.stderr, flush=True)  # fmt: skip
     serve(load, sock, served_model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
-          max_queue=args.max_queue, shutdown_grace_s=args.shutdown_grace)  # fmt: skip
+          max_queue=args.max_queue, max_loops=args.max_loops, shutdown_grace_s=args.shutdown_grace)  # fmt: skip
     return 0
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from tinyloop.runtime.decode import Row
+from tinyloop.runtime.stats import TokenLogprob
 from tinyloop.runtime.stop_strings import StopStringFilter
 
 # GenerationStats.stop_reason -> the finish reason a handle reports.
@@ -22,7 +23,8 @@ FINISH_REASONS = {"max_tokens": "length", "stop_token": "stop", "stop_string": "
 class RequestStats:
     """prompt_tokens / generated_tokens: tokens in and out; ttft_s: submit to the first token the caller
     can read; latency_s: submit to the end; loops_per_token: mean iterations per generated token;
-    prefix_hit_tokens: prompt tokens served from the prefix pool instead of prefilled."""
+    prefix_hit_tokens: prompt tokens served from the prefix pool instead of prefilled; logprobs: with
+    submit(logprobs=k), each generated token's TokenLogprob, in order."""
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -30,6 +32,7 @@ class RequestStats:
     latency_s: float | None = None
     loops_per_token: float = 0.0
     prefix_hit_tokens: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class RequestHandle:

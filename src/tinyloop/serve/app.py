@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from tinyloop.serve.engine import make_engine
+from tinyloop.serve.engine import ServeEngine
 from tinyloop.serve.errors import APIError, error_body
 from tinyloop.serve.generation import ChoiceRunner, End, Piece
 from tinyloop.serve.metrics import ServerMetrics
@@ -44,11 +44,10 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completio
 class ServerState:
     """The model, its engine and the server's metrics; `ready` once the model has loaded."""
 
-    def __init__(self, name: str | None, api_key: str | None, max_batch: int, max_queue: int) -> None:
+    def __init__(self, name: str | None, api_key: str | None, engine_options: dict[str, Any]) -> None:
         self.name = name
         self.api_key = api_key
-        self.max_batch = max_batch
-        self.max_queue = max_queue
+        self.engine_options = engine_options
         self.metrics = ServerMetrics()
         self.model: Any = None
         self.engine: Any = None
@@ -58,10 +57,11 @@ class ServerState:
 
     def attach(self, model: Any, name: str) -> None:
         codec = model.tokenizer if model.has_tokenizer else ByteTokenizer()
-        self.engine = make_engine(model, self.max_batch, self.max_queue)
+        self.engine = ServeEngine(model, **self.engine_options)
         self.engine.start()
         self.codec = codec
-        threads = self.max_batch + self.max_queue + 8  # one per stream that may be waiting for a token
+        opts = self.engine_options
+        threads = opts["max_batch"] + 2 * opts["max_queue"] + 8  # one per stream that may be waiting for a token
         self.runner = ChoiceRunner(self.engine, codec, self.metrics, codec.stop_ids, threads)
         self.name = self.name or name
         self.model = model
@@ -79,13 +79,18 @@ def create_app(
     api_key: str | None = None,
     max_batch: int = 8,
     max_queue: int = 256,
+    max_seq_len: int | None = None,
+    max_loops: int | None = None,
     shutdown_grace_s: float = 10.0,
 ) -> FastAPI:
     """The server's application for `model` (a tinyloop.Model, or a function returning one, called on a
     background thread at startup: GET /health answers 503 until it returns). served_model_name: the id
     clients send as `model` (default: the model file's stem). api_key: required as `Authorization: Bearer`
-    on /v1 and the tokenizer endpoints. max_batch / max_queue: engine rows and waiting requests."""
-    state = ServerState(served_model_name, api_key, max_batch, max_queue)
+    on /v1 and the tokenizer endpoints. max_batch / max_queue / max_seq_len / max_loops: the scheduler's
+    rows, waiting requests, positions per request (default: the model's) and deepest loops (default: the
+    model's default loops). shutdown_grace_s: what in-flight requests may take at shutdown."""
+    engine_options = dict(max_batch=max_batch, max_queue=max_queue, max_seq_len=max_seq_len, max_loops=max_loops)
+    state = ServerState(served_model_name, api_key, engine_options)
 
     def load() -> None:
         try:
@@ -102,7 +107,7 @@ def create_app(
             threading.Thread(target=load, name="tinyloop-load", daemon=True).start()
         yield
         if state.engine is not None:
-            state.engine.stop(timeout=shutdown_grace_s, drain=False)
+            state.engine.stop(timeout=shutdown_grace_s)
 
     app = FastAPI(title="tinyloop", lifespan=lifespan)
     app.state.tinyloop = state
@@ -139,7 +144,7 @@ def create_app(
     def models() -> dict[str, Any]:
         state.ready()
         card = {"id": state.name, "object": "model", "created": state.created, "owned_by": "tinyloop",
-                "max_model_len": state.model.max_seq_len}  # fmt: skip
+                "max_model_len": state.engine.max_seq_len}  # fmt: skip
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize", dependencies=[Depends(authorize)])
@@ -148,7 +153,7 @@ def create_app(
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give either prompt or messages", param="prompt")
         ids = _encode(state, req.prompt) if req.prompt is not None else _chat_ids(state, req.messages or [])
-        return {"tokens": ids.tolist(), "count": int(ids.size), "max_model_len": state.model.max_seq_len}
+        return {"tokens": ids.tolist(), "count": int(ids.size), "max_model_len": state.engine.max_seq_len}
 
     @app.post("/detokenize", dependencies=[Depends(authorize)])
     def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
@@ -192,7 +197,7 @@ async def _serve(
     requests = []
     try:
         for prompt in prompts:
-            room = state.model.max_seq_len - int(prompt.size)
+            room = state.engine.max_seq_len - int(prompt.size)
             max_tokens = requested if requested is not None else (default_max or room)
             for j in range(req.n):
                 options = engine_options(req, max_tokens, logprobs)

@@ -1,9 +1,11 @@
 """The one place where the server talks to the engine: submit a request, read its tokens, abort it.
 
-`SerialEngine` serves queued requests one at a time on one engine thread through `Model.generate_stream`
-(the family exit rules through `Model.generate_tokens_stream`): requests never share a batched step, so
-a request waits for those queued before it. Handlers on other threads talk to it through a bounded queue
-(`QueueFullError` when full) and each request's own token queue.
+`ServeEngine` sends each request to `tinyloop.Scheduler` (continuous batching: requests share batched
+decode steps and the prefix pool). A request with a family exit rule (exit_threshold, exit_criterion, ...)
+goes to `ExitRuleEngine` instead, which runs such requests one at a time on its own thread through
+`Model.generate_tokens_stream`, because the scheduler's batched step has no per-row exit yet; the model's
+step lock interleaves the two. Both hand back a `ServedRequest`: tokens as they come, the finish reason,
+the error, and the statistics the server reports.
 """
 
 from __future__ import annotations
@@ -16,209 +18,213 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from tinyloop.runtime.depth_schedule import DepthSchedule
+from tinyloop.api.scheduler import Scheduler
+from tinyloop.errors import QueueFullError
+from tinyloop.runtime.requests import FINISH_REASONS, RequestHandle
 from tinyloop.runtime.stats import TokenLogprob
 
 # Request options that only the family exit path (Model.generate_tokens_stream) takes.
 EXIT_OPTIONS = ("exit_threshold", "exit_at_step", "weighted_exit", "exit_criterion", "exit_tol", "min_loops")
 # Options that path cannot honour.
 NOT_WITH_EXIT = ("stop", "grammar", "logprobs", "l_warmup_tokens")
-# engine stop reasons -> OpenAI finish_reason
-FINISH_REASONS = {"max_tokens": "length", "stop_token": "stop", "stop_string": "stop", "grammar_end": "stop"}
 
-
-class QueueFullError(RuntimeError):
-    """The engine's queue of waiting requests is full (HTTP 503)."""
+__all__ = ["QueueFullError", "RequestStats", "ServeEngine", "ServedRequest"]
 
 
 @dataclass
 class RequestStats:
-    """What one finished request reports (times in seconds since its submission)."""
+    """What one request reports: tokens in and out, mean loops per generated token, tokens that stopped
+    iterating early, prompt tokens served by the prefix pool, and (when asked) each token's logprobs."""
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    ttft_s: float = 0.0
-    latency_s: float = 0.0
     loops_per_token: float = 0.0
-    early_exit_tokens: int = 0  # tokens that stopped iterating before the request's loops
+    early_exit_tokens: int = 0
     prefix_hit_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-class Request:
-    """One submitted request: its tokens arrive on `tokens()` as the engine produces them."""
+class ServedRequest:
+    """A submitted request as the server sees it (either engine)."""
+
+    stats: RequestStats
+    finish_reason: str | None
+    error: BaseException | None
+
+    @property
+    def done(self) -> bool:
+        raise NotImplementedError
+
+    def tokens(self) -> Iterator[int]:
+        """New token ids as they come (blocking); ends when the request finishes, fails or is aborted."""
+        raise NotImplementedError
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the request has finished (True) or `timeout` seconds passed (False)."""
+        raise NotImplementedError
+
+
+class ScheduledRequest(ServedRequest):
+    def __init__(self, handle: RequestHandle) -> None:
+        self.handle = handle
+
+    @property
+    def stats(self) -> RequestStats:  # type: ignore[override]
+        s = self.handle.stats
+        return RequestStats(s.prompt_tokens, s.generated_tokens, s.loops_per_token, 0, s.prefix_hit_tokens, s.logprobs)
+
+    @property
+    def finish_reason(self) -> str | None:  # type: ignore[override]
+        return self.handle.finish_reason
+
+    @property
+    def error(self) -> BaseException | None:  # type: ignore[override]
+        return self.handle.error
+
+    @property
+    def done(self) -> bool:
+        return self.handle.done
+
+    def tokens(self) -> Iterator[int]:
+        try:
+            yield from self.handle.tokens()
+        except Exception:  # kept in .error, which the server reports
+            return
+
+    def wait(self, timeout: float | None = None) -> bool:
+        try:
+            self.handle.result(timeout)
+        except TimeoutError:
+            return False
+        except Exception:  # a failed request has finished too
+            pass
+        return True
+
+
+class ExitRuleRequest(ServedRequest):
+    """A request of the exit-rule engine: its tokens go through a queue from the engine thread."""
 
     _END = object()
 
-    def __init__(self, prompt: np.ndarray, options: dict[str, Any], stream: Iterator[int], stats: Any) -> None:
-        self.prompt = prompt
-        self.options = options
-        # The engine appends a token's logprob record before the token itself arrives here.
-        self.stats = RequestStats(prompt_tokens=int(prompt.size), logprobs=getattr(stats, "logprobs", []))
-        self.finish_reason: str | None = None
-        self.error: BaseException | None = None
+    def __init__(self, stream: Iterator[int], family_stats: Any, loops: int, prompt_tokens: int) -> None:
+        self.stats = RequestStats(prompt_tokens=prompt_tokens)
+        self.finish_reason = None
+        self.error = None
         self._stream = stream
-        self._engine_stats = stats
-        self._tokens: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._family_stats = family_stats
+        self._loops = loops
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._aborted = threading.Event()
         self._done = threading.Event()
-        self._submitted = time.perf_counter()
 
     @property
     def done(self) -> bool:
         return self._done.is_set()
 
     def tokens(self) -> Iterator[int]:
-        """New token ids as they come (blocking); ends when the request finishes, fails or is aborted."""
         while True:
-            item = self._tokens.get()
-            if item is Request._END:
-                self._tokens.put(item)  # a second reader ends too
+            item = self._queue.get()
+            if item is ExitRuleRequest._END:
+                self._queue.put(item)  # a second reader ends too
                 return
             yield item
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the request has finished (True) or `timeout` seconds passed (False)."""
         return self._done.wait(timeout)
 
-    def result(self) -> np.ndarray:
-        out = np.fromiter(self.tokens(), dtype=np.int32)
-        self._done.wait()
-        return out
-
-    def _run(self) -> None:
-        """Generate on the engine thread until the end, an abort or an error."""
+    def run(self) -> None:
+        """Generate (on the engine thread) until the end, an abort or an error."""
         try:
+            if not self._aborted.is_set():
+                for token in self._stream:
+                    self.stats.generated_tokens += 1
+                    self._queue.put(token)
+                    if self._aborted.is_set():
+                        break
             if self._aborted.is_set():
                 self.finish_reason = "abort"
-                return
-            for token in self._stream:
-                if self.stats.generated_tokens == 0:
-                    self.stats.ttft_s = time.perf_counter() - self._submitted
-                self.stats.generated_tokens += 1
-                self._tokens.put(token)
-                if self._aborted.is_set():
-                    self.finish_reason = "abort"
-                    return
-            self.finish_reason = FINISH_REASONS.get(self._engine_stats.stop_reason, "stop")
-        except Exception as exc:  # the request fails, not the engine: the handler reports it
+            else:
+                self.finish_reason = FINISH_REASONS.get(self._family_stats.stop_reason, "stop")
+        except Exception as exc:  # the request fails, not the engine: the server reports it
             self.error = exc
             self.finish_reason = "error"
         finally:
             close = getattr(self._stream, "close", None)
             if close is not None:
-                close()  # an aborted stream gives its cache back now
-            self._summarise()
-            self.stats.latency_s = time.perf_counter() - self._submitted
+                close()
+            depths = list(getattr(self._family_stats, "exit_depths", []))[: self.stats.generated_tokens]
+            if depths:
+                self.stats.loops_per_token = sum(depths) / len(depths)
+                self.stats.early_exit_tokens = sum(1 for d in depths if d < self._loops)
             self._done.set()
-            self._tokens.put(Request._END)
-
-    def _summarise(self) -> None:
-        stats, options = self._engine_stats, self.options
-        loops = int(options["loops"])
-        n = self.stats.generated_tokens
-        depths = list(getattr(stats, "exit_depths", []))[:n]
-        if not depths and n:
-            # The first token comes from the prefill at full depth; decode step s runs the schedule's loops.
-            schedule = DepthSchedule(options.get("l_warmup_tokens", 0), options.get("l_warmup_loops", 2))
-            depths = [loops] + [schedule.loops_for(s, loops) for s in range(1, n)]
-        if depths:
-            self.stats.loops_per_token = sum(depths) / len(depths)
-            self.stats.early_exit_tokens = sum(1 for d in depths if d < loops)
+            self._queue.put(ExitRuleRequest._END)
 
 
-class SerialEngine:
-    """Runs one request at a time, in submission order, on one engine thread (see the module docstring)."""
+class ExitRuleEngine:
+    """Runs exit-rule requests one at a time, in submission order, on one thread (see the module docstring)."""
 
-    def __init__(self, model: Any, max_queue: int = 256) -> None:
+    def __init__(self, model: Any, max_queue: int) -> None:
         self.model = model
         self.max_queue = max_queue
-        self._waiting: deque[Request] = deque()
-        self._running: Request | None = None
+        self._waiting: deque[ExitRuleRequest] = deque()
+        self._running: ExitRuleRequest | None = None
         self._cond = threading.Condition()
         self._submit_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._stopping = False
-        self.finished = 0
-        self.aborted = 0
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="tinyloop-engine", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="tinyloop-exit-rules", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 10.0, drain: bool = True) -> None:
-        """Stop taking requests; finish the queued ones (drain) within `timeout` seconds, then abort the rest."""
-        deadline = time.monotonic() + timeout
+    def stop(self, timeout: float) -> None:
         with self._cond:
             self._stopping = True
-            if not drain:
-                self._abort_all()
+            self._abort_all()
             self._cond.notify_all()
         if self._thread is not None:
-            self._thread.join(max(0.0, deadline - time.monotonic()))
-            if self._thread.is_alive():
-                with self._cond:
-                    self._abort_all()
-                self._thread.join(5.0)
+            self._thread.join(timeout)
 
-    def submit(self, prompt: np.ndarray, **options: Any) -> Request:
-        """Queue a request (options: Model.generate's keyword arguments, or the exit options of
-        Model.generate_tokens_stream). Invalid options raise ValueError / TypeError here."""
-        exit_path = any(options.get(name) is not None for name in EXIT_OPTIONS)
-        if exit_path:
-            clash = [name for name in NOT_WITH_EXIT if options.get(name)]
-            if clash:
-                raise ValueError(f"{', '.join(clash)} cannot be combined with the exit options "
-                                 f"({', '.join(n for n in EXIT_OPTIONS if options.get(n) is not None)})")  # fmt: skip
-        with self._submit_lock:  # last_stats is the latest call's: read it before another call
-            if exit_path:
-                kwargs = {k: v for k, v in options.items() if v is not None and k not in NOT_WITH_EXIT}
-                kwargs.pop("l_warmup_loops", None)
-                kwargs.pop("stop_tokens", None)
-                stream = self.model.generate_tokens_stream(prompt, stop=bool(options.get("stop_tokens")), **kwargs)
-                stats = self.model.last_family_stats
-            else:
-                stream = self.model.generate_stream(prompt, **options)
-                stats = self.model.last_stats
-        loops = options.get("loops")
-        options = dict(options, loops=self.model.config["default_loops"] if loops is None else loops)
-        request = Request(prompt, options, stream, stats)
+    def submit(self, prompt: Any, options: dict[str, Any]) -> ExitRuleRequest:
+        clash = [name for name in NOT_WITH_EXIT if options.get(name)]
+        if clash:
+            used = ", ".join(n for n in EXIT_OPTIONS if options.get(n) is not None)
+            raise ValueError(f"{', '.join(clash)} cannot be combined with the exit options ({used})")
+        kwargs = {k: v for k, v in options.items() if v is not None and k not in NOT_WITH_EXIT}
+        kwargs.pop("l_warmup_loops", None)
+        stop_tokens = kwargs.pop("stop_tokens", None)
+        with self._submit_lock:  # last_family_stats is the latest call's: read it before another call
+            stream = self.model.generate_tokens_stream(prompt, stop=bool(stop_tokens), **kwargs)
+            family_stats = self.model.last_family_stats
+        loops = options.get("loops") or self.model.config["default_loops"]
+        request = ExitRuleRequest(stream, family_stats, loops, len(prompt))
         with self._cond:
             if self._stopping:
                 raise QueueFullError("the server is shutting down")
             if len(self._waiting) >= self.max_queue:
                 stream.close()
-                raise QueueFullError(f"the queue is full ({self.max_queue} requests waiting); retry later")
+                raise QueueFullError(f"the queue of exit-rule requests is full ({self.max_queue}); retry later")
             self._waiting.append(request)
             self._cond.notify_all()
         return request
 
-    def abort(self, request: Request) -> None:
-        """End the request: a waiting one leaves the queue at once, a running one after its current token."""
+    def abort(self, request: ExitRuleRequest) -> None:
         with self._cond:
             request._aborted.set()
             if request in self._waiting:
                 self._waiting.remove(request)
-                self._finish_unstarted(request)
+                request.run()  # sees the abort: closes its stream and ends its tokens
 
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting)"""
         with self._cond:
-            return {
-                "running": int(self._running is not None), "waiting": len(self._waiting),
-                "finished": self.finished, "aborted": self.aborted,
-            }  # fmt: skip
-
-    def _finish_unstarted(self, request: Request) -> None:
-        request._run()  # sees the abort: closes its stream and ends its tokens
-        self.aborted += 1
+            return int(self._running is not None), len(self._waiting)
 
     def _abort_all(self) -> None:
         while self._waiting:
             req = self._waiting.popleft()
             req._aborted.set()
-            self._finish_unstarted(req)
+            req.run()
         if self._running is not None:
             self._running._aborted.set()
 
@@ -230,15 +236,46 @@ class SerialEngine:
                 if not self._waiting:
                     return
                 self._running = request = self._waiting.popleft()
-            request._run()
+            request.run()
             with self._cond:
                 self._running = None
-                if request.finish_reason == "abort":
-                    self.aborted += 1
-                else:
-                    self.finished += 1
 
 
-def make_engine(model: Any, max_batch: int, max_queue: int) -> SerialEngine:
-    """The engine the server runs: today the serial engine (max_batch has no effect on it)."""
-    return SerialEngine(model, max_queue=max_queue)
+class ServeEngine:
+    """The scheduler and the exit-rule engine behind one submit / abort / counts interface."""
+
+    def __init__(self, model: Any, max_batch: int, max_queue: int, max_seq_len: int | None, max_loops: int | None):
+        self.scheduler = Scheduler(model, max_batch, max_seq_len, max_queue, max_loops=max_loops)
+        self.exit_rules = ExitRuleEngine(model, max_queue)
+        self.max_seq_len = self.scheduler.limits.max_seq_len
+
+    def start(self) -> None:
+        self.scheduler.start()
+        self.exit_rules.start()
+
+    def stop(self, timeout: float) -> None:
+        """Abort what is still running (the HTTP server has already let responses finish) and stop."""
+        deadline = time.monotonic() + timeout
+        self.exit_rules.stop(timeout)
+        self.scheduler.stop(max(0.0, deadline - time.monotonic()), drain=False)
+
+    def submit(self, prompt: Any, **options: Any) -> ServedRequest:
+        """Queue a request. options: Model.generate's keyword arguments (logprobs included), or with any of
+        EXIT_OPTIONS set, Model.generate_tokens_stream's. ValueError / TypeError: invalid options;
+        QueueFullError: too many waiting."""
+        if any(options.get(name) is not None for name in EXIT_OPTIONS):
+            return self.exit_rules.submit(prompt, options)
+        return ScheduledRequest(self.scheduler.submit(prompt, **options))
+
+    def abort(self, request: ServedRequest) -> None:
+        """End the request and free its slot now."""
+        if isinstance(request, ScheduledRequest):
+            self.scheduler.abort(request.handle)
+        elif isinstance(request, ExitRuleRequest):
+            self.exit_rules.abort(request)
+
+    def counts(self) -> dict[str, int]:
+        """running and waiting requests (both engines) and the scheduler's totals."""
+        stats = self.scheduler.stats()
+        running, waiting = self.exit_rules.counts()
+        return {**stats, "running": stats["running"] + running, "waiting": stats["waiting"] + waiting}

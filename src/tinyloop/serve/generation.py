@@ -17,7 +17,7 @@ import anyio
 import numpy as np
 
 from tinyloop.runtime.stats import TokenLogprob
-from tinyloop.serve.engine import QueueFullError, Request, RequestStats
+from tinyloop.serve.engine import QueueFullError, RequestStats, ServedRequest
 from tinyloop.serve.errors import APIError
 from tinyloop.serve.metrics import ServerMetrics
 
@@ -51,7 +51,7 @@ class ChoiceRunner:
         self.stop_ids = frozenset(stop_ids)
         self.limiter = anyio.CapacityLimiter(threads)
 
-    def submit(self, prompt: np.ndarray, options: dict[str, Any]) -> Request:
+    def submit(self, prompt: np.ndarray, options: dict[str, Any]) -> ServedRequest:
         try:
             return self.engine.submit(prompt, **options)
         except QueueFullError as exc:
@@ -59,7 +59,7 @@ class ChoiceRunner:
         except (ValueError, TypeError) as exc:
             raise APIError(400, str(exc), param=_param_of(str(exc))) from None
 
-    async def events(self, index: int, request: Request, arrival: float) -> AsyncIterator[Piece | End]:
+    async def events(self, index: int, request: ServedRequest, arrival: float) -> AsyncIterator[Piece | End]:
         """Pieces of one choice, then its End; raises APIError if the engine failed the request."""
         decoder = self.codec.incremental()
         tokens = request.tokens()
@@ -98,7 +98,7 @@ class ChoiceRunner:
             raise APIError(500, f"generation failed: {type(err).__name__}: {err}")
         yield End(index, reason, request.stats)
 
-    async def merged(self, requests: Sequence[Request], arrival: float) -> AsyncIterator[Piece | End]:
+    async def merged(self, requests: Sequence[ServedRequest], arrival: float) -> AsyncIterator[Piece | End]:
         """The events of several choices as they come (one task per choice)."""
         if len(requests) == 1:
             async for event in self.events(0, requests[0], arrival):
@@ -107,7 +107,7 @@ class ChoiceRunner:
         queue: asyncio.Queue[Any] = asyncio.Queue()
         done = object()
 
-        async def pump(i: int, request: Request) -> None:
+        async def pump(i: int, request: ServedRequest) -> None:
             try:
                 async for event in self.events(i, request, arrival):
                     await queue.put(event)
