@@ -216,6 +216,19 @@ def test_unexpected_errors_are_one_line_and_level_2_shows_the_traceback(tiny_fil
     assert err.strip().splitlines()[-1] == "tinyloop inspect: error: KeyError: 'boom'"
 
 
+def test_runtime_errors_of_the_library_are_one_plain_line(tiny_files, capsysbinary, monkeypatch) -> None:
+    import tinyloop.cli.inspect_cmd as inspect_cmd
+    from tinyloop.errors import NonFiniteLogitsError
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise NonFiniteLogitsError()
+
+    monkeypatch.setattr(inspect_cmd, "describe", broken)
+    code, _, err = run_cli(capsysbinary, [str(tiny_files["f32"]), "inspect"])
+    assert_one_line(code, err, 1, "tinyloop inspect: error: the model produced non-finite logits (NaN or inf)")
+    assert "NonFiniteLogitsError" not in err and "TINYLOOP_LOG_LEVEL" not in err
+
+
 def test_a_prompt_that_is_not_utf8_reaches_a_byte_model_as_its_bytes(tiny_files, capsysbinary) -> None:
     model = str(tiny_files["f32"])
     raw = [model, "generate", "--prompt", "\udcff\udcfeA", "--max-tokens", "6", "--temperature", "0", "--loops", "2"]

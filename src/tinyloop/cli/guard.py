@@ -55,6 +55,8 @@ def _describe(exc: Exception) -> tuple[int, str]:
         return 2, one_line(str(exc))  # the library refused an argument the CLI passed on
     if isinstance(exc, (OSError, OutOfMemoryError, MemoryError)):
         return 1, one_line(str(exc) or type(exc).__name__)
+    if type(exc).__module__.startswith("tinyloop."):  # our own runtime errors say what happened
+        return 1, one_line(str(exc))
     hint = "" if _log_level() >= 2 else " (TINYLOOP_LOG_LEVEL=2 shows the traceback)"
     return 1, one_line(f"{type(exc).__name__}: {exc}") + hint
 
