@@ -292,3 +292,22 @@ def test_ctrl_c_ends_generation_with_130_and_no_traceback(tiny_files) -> None:
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130 and b"Traceback" not in err and err == b""
+
+
+def test_guard_statuses(capsys) -> None:
+    assert guard.run_guarded("prog", lambda: sys.exit()) == 0
+    assert guard.run_guarded("prog", lambda: sys.exit(3)) == 3
+    assert capsys.readouterr().err == ""
+    assert guard.run_guarded("prog", lambda: sys.exit("bad thing\n  happened")) == 1
+    assert capsys.readouterr().err == "prog: error: bad thing happened\n"
+
+    def closed_pipe() -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    assert guard.run_guarded("prog", closed_pipe) == guard.CLOSED_PIPE_STATUS
+    assert capsys.readouterr().err == ""
+
+    def interrupted() -> int:
+        raise KeyboardInterrupt
+
+    assert guard.run_guarded("prog", interrupted) == 130

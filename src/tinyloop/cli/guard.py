@@ -24,7 +24,10 @@ def run_guarded(prog: str, command: Callable[[], int]) -> int:
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit flush
         return status
     except SystemExit as exc:  # argparse: --help (0) or a usage error already printed (2)
-        return exc.code if isinstance(exc.code, int) else 2
+        if exc.code is None or isinstance(exc.code, int):
+            return exc.code or 0
+        print(f"{prog}: error: {one_line(str(exc.code))}", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
