@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from file_fuzz import fuzz_pool_files
 from tinyloop.cache import pool_file
 from tinyloop.cache.pool import PrefixPool
 from tinyloop.errors import PrefixPoolFormatError, TinyLoopFormatError
@@ -179,3 +180,10 @@ def test_saving_into_a_missing_directory_is_named(models, tmp_path: Path) -> Non
     pool.register(models["16bit"].build_prefix_cache(SYSTEM[:5], loops=1))
     with pytest.raises(FileNotFoundError, match=f"{tmp_path / 'nope'}: no such directory"):
         pool.save(tmp_path / "nope" / "pool.safetensors")
+
+
+def test_seeded_pool_file_mutations(models, tmp_path: Path) -> None:
+    """Truncations, bit flips, metadata edits, tensors of the wrong dtype, shape or values with recomputed
+    checksums, and harmless rewrites: each is refused with PrefixPoolFormatError or loads the same entries."""
+    outcomes = fuzz_pool_files(models["int8"], tmp_path, 200, seed=99)
+    assert outcomes["unchanged"] > 5 and outcomes["refused"] > 100 and sum(outcomes.values()) == 200, outcomes

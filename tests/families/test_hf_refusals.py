@@ -10,6 +10,7 @@ import torch
 from family_helpers import copy_vectors
 from safetensors.torch import load_file, save_file
 
+from file_fuzz import fuzz_hf_folders
 from tinyloop.cli.convert import main as convert_main
 from tinyloop.convert.from_hf import convert_hf
 from tinyloop.errors import TinyLoopFormatError
@@ -209,3 +210,13 @@ def test_hf_cache_style_symlinked_shards_convert(tmp_path: Path) -> None:
     (folder / "model.safetensors").rename(blobs / "abc123")
     (folder / "model.safetensors").symlink_to(Path("..") / "blobs" / "abc123")
     _convert(folder, tmp_path)
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_seeded_hf_folder_mutations(tmp_path: Path, family: str) -> None:
+    """config.json edits, shard header edits, index entries pointing elsewhere, truncated shards, flipped header
+    bits (half of the folders sharded): each is refused with TinyLoopFormatError or converts; a conversion differs
+    from the unmutated folder's only when a config.json value changed to another valid one."""
+    folder = copy_vectors(family, tmp_path / "source", tokenizer=False)
+    outcomes = fuzz_hf_folders(folder, tmp_path, 60, seed=7)
+    assert outcomes["refused"] > 20 and outcomes["unchanged"] > 5 and sum(outcomes.values()) == 60, outcomes

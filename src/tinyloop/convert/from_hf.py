@@ -147,6 +147,8 @@ def convert_hf(
     state_start: str | None = None,
 ) -> ModelHeader:
     """Convert a Hugging Face Ouro / Huginn folder; float_dtype None or 'auto' keeps the source precision."""
+    import torch
+
     from tinyloop.format.writer import write_model_streamed
 
     folder, plan, meta = prepare_hf(directory, state_start)
@@ -154,7 +156,11 @@ def convert_hf(
     assert specs == set(plan.recipes), sorted(specs ^ set(plan.recipes))
 
     def source(spec: TensorSpec) -> Any:
-        return plan.recipes[spec.name].build(folder)
+        t = plan.recipes[spec.name].build(folder)
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            sources = ", ".join(name for name, _ in plan.recipes[spec.name].parts)
+            raise folder.fail(f"tensor {sources}", "finite values", "NaN or infinite values")
+        return t
 
     metadata = {"tokenizer": meta.to_json()} if meta is not None else None
     return write_model_streamed(

@@ -59,6 +59,26 @@ def _get(folder: HFFolder, key: str, kind: type | tuple[type, ...], default: Any
     return value
 
 
+def _count(folder: HFFolder, key: str, default: Any = None) -> int:
+    """A size (width, head count, layer count) that must be a positive integer."""
+    value = _get(folder, key, int, default)
+    if value < 1:
+        raise folder.fail(f"config.json field {key!r}", "a positive integer", repr(value))
+    return int(value)
+
+
+def _number(folder: HFFolder, key: str, source: dict[str, Any], default: float) -> float:
+    """A finite float from `source` (config.json or an object inside it)."""
+    value = source.get(key, default)
+    try:
+        number = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:
+        number = math.nan
+    if not math.isfinite(number):
+        raise folder.fail(f"config.json field {key!r}", "a finite number", repr(value)[:80])
+    return number
+
+
 def _require(folder: HFFolder, key: str, allowed: tuple[Any, ...], default: Any = None) -> None:
     value = folder.config.get(key, default)
     if value not in allowed:
@@ -117,8 +137,8 @@ def ouro_plan(folder: HFFolder, name: str) -> FamilyPlan:
     _require(folder, "hidden_act", ("silu",), "silu")
     _require(folder, "rope_scaling", (None,))
     _require(folder, "use_sliding_window", (False, None))
-    d = _get(folder, "hidden_size", int)
-    heads = _get(folder, "num_attention_heads", int)
+    d = _count(folder, "hidden_size")
+    heads = _count(folder, "num_attention_heads")
     tied = folder.config.get("tie_word_embeddings", False) is True
     cfg = _build_config(
         folder,
@@ -128,9 +148,9 @@ def ouro_plan(folder: HFFolder, name: str) -> FamilyPlan:
         n_kv_heads=_get(folder, "num_key_value_heads", int, heads),
         head_dim=_get(folder, "head_dim", int, d // heads if heads else 0),
         ffn_dim=_get(folder, "intermediate_size", int),
-        norm_eps=float(_get(folder, "rms_norm_eps", (int, float), 1e-6)),
+        norm_eps=_number(folder, "rms_norm_eps", folder.config, 1e-6),
         norm_placement="sandwich_out",
-        rope_base=float(_get(folder, "rope_theta", (int, float), 10000.0)),
+        rope_base=_number(folder, "rope_theta", folder.config, 10000.0),
         rope_pairing="half",
         n_prelude=0,
         n_body=_get(folder, "num_hidden_layers", int),
@@ -182,11 +202,13 @@ def huginn_plan(folder: HFFolder, name: str) -> FamilyPlan:
     _require(folder, "nonlin_name", ("SiLU",), "SiLU")
     _require(folder, "block_class_name", ("SandwichBlock",), "SandwichBlock")
     _require(folder, "test_time_noise", (0, 0.0, None))
-    d = _get(folder, "n_embd", int)
-    heads = _get(folder, "n_heads", int)
+    d = _count(folder, "n_embd")
+    heads = _count(folder, "n_heads")
     vocab = _get(folder, "padded_vocab_size", int, folder.config.get("vocab_size"))
     init = folder.config.get("init_values") or {}
-    std = float(init.get("std", math.sqrt(2 / (5 * d))))
+    if not isinstance(init, dict):
+        raise folder.fail("config.json field 'init_values'", "an object", repr(init)[:80])
+    std = _number(folder, "std", init, math.sqrt(2 / (5 * d)))
     zero_state = folder.config.get("state_init") == "zero"
     cfg = _build_config(
         folder,
@@ -196,9 +218,9 @@ def huginn_plan(folder: HFFolder, name: str) -> FamilyPlan:
         n_kv_heads=_get(folder, "num_key_value_heads", int, heads),
         head_dim=_get(folder, "head_dim", int, d // heads if heads else 0),
         ffn_dim=_get(folder, "intermediate_size", int),
-        norm_eps=float(_get(folder, "norm_eps", (int, float), 1e-6)),
+        norm_eps=_number(folder, "norm_eps", folder.config, 1e-6),
         norm_placement="sandwich_sum",
-        rope_base=float(_get(folder, "rope_base", (int, float), 50000.0)),
+        rope_base=_number(folder, "rope_base", folder.config, 50000.0),
         rope_pairing="interleaved",
         qk_bias=folder.config.get("qk_bias", True) is True,
         n_prelude=_get(folder, "n_layers_in_prelude", int),
@@ -212,7 +234,7 @@ def huginn_plan(folder: HFFolder, name: str) -> FamilyPlan:
         state_init_seed=0,
         loop_norm="after_loop",
         head_norm=True,
-        embed_scale=float(init.get("embed_scale", math.sqrt(d))),
+        embed_scale=_number(folder, "embed_scale", init, math.sqrt(d)),
         tied_embeddings=True,
         max_position=_get(folder, "block_size", int, 4096),
         tokenizer="embedded",
@@ -261,7 +283,7 @@ def _check_freqs_cis(cfg: ArchConfig) -> Callable[[HFFolder], None]:
             return
         table = folder.load("freqs_cis").float()
         half = cfg.head_dim // 2
-        if table.dim() != 5 or table.shape[-2:] != (half, 2):
+        if table.dim() != 5 or table.shape[-2:] != (half, 2) or min(table.shape[:3]) < 1:
             raise folder.fail("tensor 'freqs_cis'", f"shape [1, N, 1, {half}, 2]", str(list(table.shape)))
         n = min(int(table.shape[1]), 64)
         inv = 1.0 / (cfg.rope_base ** (torch.arange(half, dtype=torch.float64) * 2 / cfg.head_dim))
@@ -282,8 +304,8 @@ FAMILIES: dict[str, Callable[[HFFolder, str], FamilyPlan]] = {
 
 def plan_for(folder: HFFolder, name: str) -> FamilyPlan:
     model_type = folder.config.get("model_type")
-    if model_type not in FAMILIES:
+    if not isinstance(model_type, str) or model_type not in FAMILIES:
         raise TinyLoopFormatError(
             folder.root, "config.json field 'model_type'", f"one of {sorted(FAMILIES)}", repr(model_type)
         )
-    return FAMILIES[str(model_type)](folder, name)
+    return FAMILIES[model_type](folder, name)

@@ -286,7 +286,7 @@ class _Parser:
         if unknown and not lenient:
             self.fail("metadata", f"only keys {sorted(known)} or 'x-' keys", f"unknown {_show(unknown)}")
         cfg = self.parse_config(meta["config"])
-        self.check_config_crc(meta["config"], meta.get("config_crc32"))
+        self.check_config_crc(meta["config"], meta.get("config_crc32"), version)
         entries = self.parse_entries({k: v for k, v in doc.items() if k != "__metadata__"})
         # A hostile config could claim millions of layers; bound it by the tensors actually present
         # before expanding the layout.
@@ -322,8 +322,10 @@ class _Parser:
             self.fail("metadata 'format_version'", f"major version {min(READ_VERSIONS)} to {newest}", raw)
         return version
 
-    def check_config_crc(self, text: str, crc: str | None) -> None:
+    def check_config_crc(self, text: str, crc: str | None, version: tuple[int, int]) -> None:
         if crc is None:
+            if version[1] >= 1:  # written by every 1.1 / 2.1 writer; absent only from 1.0 / 2.0 files
+                self.fail("metadata", f"a 'config_crc32' key (format {version_str(version)})", "none")
             return
         if _CRC_RE.fullmatch(crc) is None:
             self.fail("metadata 'config_crc32'", "8 lowercase hex digits", _show(crc))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+import zlib
 
 import torch
 
@@ -31,8 +32,9 @@ def load_weights(
 
     The data section is read once, sequentially, into memory the returned tensors own: nothing keeps the
     file open or mapped, so overwriting, truncating or deleting it afterwards cannot change or crash the
-    model. Every floating-point tensor (matrices, vectors, INT8/INT4 scales and minimums) is checked
-    finite; a NaN or infinite value is refused with a TinyLoopFormatError naming the tensor.
+    model. Every stored tensor's CRC32 is checked against the header, and every floating-point tensor
+    (matrices, vectors, INT8/INT4 scales and minimums) is checked finite; a corrupted tensor or a NaN or
+    infinite value is refused with a TinyLoopFormatError naming the tensor.
     """
     if sys.byteorder != "little":
         raise RuntimeError("reading .tinyloop files needs a little-endian machine")
@@ -70,8 +72,9 @@ def verify_checksums(path: str | os.PathLike[str]) -> list[str]:
 
 def _read_tensors(path: str, header: ModelHeader) -> dict[str, torch.Tensor]:
     """Every stored tensor in its own fresh memory, read front to back with plain reads (a file that shrank
-    since its header was read gives a short read, refused, never a fault on a mapped page). Each float
-    tensor is checked finite as it arrives: a NaN norm weight would otherwise load and poison every output."""
+    since its header was read gives a short read, refused, never a fault on a mapped page). Each tensor's
+    CRC32 is checked and each float tensor checked finite as it arrives: a flipped bit or a NaN norm weight
+    would otherwise load and silently change every output."""
     out: dict[str, torch.Tensor] = {}
     try:
         with open(path, "rb") as f:
@@ -90,6 +93,10 @@ def _read_tensors(path: str, header: ModelHeader) -> dict[str, torch.Tensor]:
                         if not n:
                             raise _changed(path, header, header.data_start + entry.start + got)
                         got += n
+                    crc = f"{zlib.crc32(view) & 0xFFFFFFFF:08x}"
+                    if crc != header.checksums[name]:
+                        expected = f"data with CRC32 {header.checksums[name]} (metadata 'checksums')"
+                        raise TinyLoopFormatError(path, f"tensor {name!r}", expected, f"{crc} (corrupted)")
                     if dtype.is_floating_point and not bool(torch.isfinite(t).all()):
                         raise TinyLoopFormatError(path, f"tensor {name!r}", "finite values", "NaN or infinite values")
                 out[name] = t
