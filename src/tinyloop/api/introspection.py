@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,6 +11,8 @@ import torch
 
 from tinyloop.api.base import ModelBase
 from tinyloop.cache.memory import check_host_memory
+from tinyloop.runtime.adaptive_exit import ExitCriterion
+from tinyloop.runtime.depth_scores import depth_logprobs
 from tinyloop.runtime.introspect import depth_logits, kl_divergence, stable_depth, trajectory
 
 
@@ -36,6 +39,18 @@ class ConsistencyScores:
     consistent: np.ndarray
     stable_depth: np.ndarray
     window: int
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """depths: the depths scored (ascending); per depth and position t < T-1: logprob float64 [D, T-1]
+    (log p(tokens[t+1] | tokens[..t])), greedy bool [D, T-1] (tokens[t+1] is the argmax), exit_depth
+    int32 [D, T-1] (the depth whose logits were read); a [B, T] batch adds an axis after D."""
+
+    depths: tuple[int, ...]
+    logprob: np.ndarray
+    greedy: np.ndarray
+    exit_depth: np.ndarray
 
 
 class IntrospectionMixin(ModelBase):
@@ -87,6 +102,44 @@ class IntrospectionMixin(ModelBase):
             return _unbatch(lens, batched).numpy()
         stacked = torch.stack(rows, dim=2)  # [2, B, L, T', k]
         return _unbatch(stacked[0], batched).to(torch.int32).numpy(), _unbatch(stacked[1], batched).numpy()
+
+    def score_token_logprobs(
+        self,
+        tokens: Any,
+        loops: int | Sequence[int] | None = None,
+        *,
+        exit_criterion: str | None = None,
+        exit_tol: float | None = None,
+        min_loops: int = 1,
+    ) -> TokenLogprobs:
+        """Log-probabilities of each next token of `tokens` (1-D, or [B, T] rows; right-padding a row
+        leaves its earlier positions unchanged) at the depth `loops`, or at every depth of a sequence
+        such as (1, 2, 4, 8) from one forward at the deepest (equal to separate runs at each depth).
+
+        exit_criterion ('kl', 'entropy', 'argmax', 'latent', 'gate'; exit_tol, min_loops as in
+        generate_tokens_stream): every loop runs and each position reads the first depth whose check
+        fires (at most the asked depth); exit_depth says which.
+        """
+        self._check_open()
+        ids, batched = self._batch(tokens)
+        if ids.shape[1] < 2:
+            raise ValueError("scoring next tokens needs at least 2 tokens per row")
+        if loops is None or not isinstance(loops, Sequence):
+            depths: tuple[int, ...] = (self._loops(loops),)
+        else:
+            depths = tuple(sorted({self._loops(d) for d in loops}))
+            if not depths:
+                raise ValueError("loops must be an integer or a non-empty sequence of integers")
+        crit = None if exit_criterion is None else ExitCriterion(exit_criterion, exit_tol, min_loops)
+        _check_memory(self._engine, ids, depths[-1])
+        res = depth_logprobs(self._engine, ids, depths, crit)
+
+        def out(t: torch.Tensor, dtype: Any) -> np.ndarray:
+            return (t if batched else t[:, 0]).cpu().numpy().astype(dtype, copy=False)
+
+        return TokenLogprobs(
+            depths, out(res.logprob, np.float64), out(res.greedy, np.bool_), out(res.exit_depth, np.int32)
+        )
 
     def score_trajectory(self, tokens: Any, loops: int | None = None) -> np.ndarray:
         """float32 [2 + L, T, d]: embedding output, prelude output, then the state after each iteration

@@ -18,6 +18,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "speculate": ("tinyloop.cli.speculate_cmd", "run_speculate"),
     "benchmark": ("tinyloop.cli.benchmark_cmd", "run_benchmark"),
     "serve": ("tinyloop.cli.serve_cmd", "run_serve"),
+    "eval": ("tinyloop.cli.eval_cmd", "run_eval"),
 }
 LATER: set[str] = set()
 
@@ -32,11 +33,15 @@ commands:
   lens       the top prediction after each loop at every position (--plot FILE.png for a heatmap)
   benchmark  latency and tokens/s of forward scoring (--decode N: cached generation) on synthetic tokens
   serve      an OpenAI-compatible HTTP server (needs the 'serve' extra: pip install 'loopformer[serve]')
+  eval       lm-evaluation-harness tasks from local files at one depth or a sweep (--loops 1,2,4,8; needs the
+             'eval' extra); `tinyloop eval <model> ...` is read the same way
 run `tinyloop <model> <command> --help` for a command's options."""
 
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) > 1 and args[0] == "eval" and args[1] not in VERBS and not args[1].startswith("-"):
+        args[0], args[1] = args[1], args[0]  # lm-eval's habit `tinyloop eval MODEL ...`: the same command
     verb = args[1] if len(args) > 1 and args[1] in VERBS else None
     try:
         return run_guarded(f"tinyloop {verb}" if verb else "tinyloop", lambda: _dispatch(args))

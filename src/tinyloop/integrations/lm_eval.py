@@ -1,0 +1,290 @@
+"""An lm-evaluation-harness backend ("tinyloop"): `import tinyloop.integrations.lm_eval` registers it.
+
+    lm_eval.simple_evaluate(model="tinyloop", model_args="pretrained=tiny,loops=4", tasks=[...])
+
+Scoring runs requests sorted by length in right-padded batches (a row's positions never see its padding).
+A depth sweep (`TinyLoopLM.sweep`) shares one scorer between one backend per depth: the first depth to
+see a request scores it at every depth of the sweep from one forward, the others read the result.
+A byte-level model reads text as UTF-8 bytes; a model with a tokenizer uses its embedded tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from lm_eval import utils as lm_utils
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+
+from tinyloop.api.arguments import checked_loops
+from tinyloop.api.model import Model
+from tinyloop.runtime.adaptive_exit import ExitCriterion
+
+TASKS_DIR = Path(__file__).parent / "tasks"  # shipped local tasks (python_snippets)
+NEWLINE = 10  # a byte-level model's document start: it has no bos/eos, and newlines separate its code
+DEFAULT_MAX_GEN_TOKS = 256
+
+
+@dataclass
+class DepthTotals:
+    """Exit depths read over every scored continuation token at one depth (for the mean exit depth)."""
+
+    depth_sum: int = 0
+    tokens: int = 0
+
+    @property
+    def mean(self) -> float:
+        return self.depth_sum / self.tokens if self.tokens else float("nan")
+
+
+@dataclass
+class Scorer:
+    """The model and the depths it scores at once; results kept per (tokens, continuation length)."""
+
+    model: Model
+    depths: tuple[int, ...]
+    batch_size: int
+    exit_criterion: str | None = None
+    exit_tol: float | None = None
+    min_loops: int = 1
+    results: dict[tuple[tuple[int, ...], int], dict[int, tuple[float, bool, int]]] = field(default_factory=dict)
+    totals: dict[int, DepthTotals] = field(default_factory=dict)
+
+    def score(self, rows: Sequence[tuple[list[int], int]], depth: int) -> list[tuple[float, bool]]:
+        """(tokens, n) -> (sum of log p of the last n tokens, all of them greedy) at `depth`."""
+        keys = [(tuple(tokens), n) for tokens, n in rows]
+        todo = sorted({k for k in keys if k not in self.results}, key=lambda k: -len(k[0]))
+        for start in range(0, len(todo), self.batch_size):
+            self._score_batch(todo[start : start + self.batch_size])
+        totals = self.totals.setdefault(depth, DepthTotals())
+        out = []
+        for key in keys:
+            lp, greedy, exit_sum = self.results[key][depth]
+            totals.depth_sum += exit_sum
+            totals.tokens += key[1]
+            out.append((lp, greedy))
+        return out
+
+    def _score_batch(self, batch: list[tuple[tuple[int, ...], int]]) -> None:
+        width = max(len(tokens) for tokens, _ in batch)
+        ids = np.zeros((len(batch), width), dtype=np.int32)
+        for i, (tokens, _) in enumerate(batch):
+            ids[i, : len(tokens)] = tokens
+        res = self.model.score_token_logprobs(
+            ids, self.depths, exit_criterion=self.exit_criterion, exit_tol=self.exit_tol, min_loops=self.min_loops
+        )
+        for i, key in enumerate(batch):
+            tokens, n = key
+            span = slice(len(tokens) - 1 - n, len(tokens) - 1)  # positions predicting the last n tokens
+            self.results[key] = {
+                depth: (
+                    float(res.logprob[d, i, span].sum()),
+                    bool(res.greedy[d, i, span].all()),
+                    int(res.exit_depth[d, i, span].sum()),
+                )
+                for d, depth in enumerate(res.depths)
+            }
+
+
+@register_model("tinyloop")
+class TinyLoopLM(TemplateLM):
+    """lm-eval model arguments: pretrained (a .tinyloop path or a built-in name), loops, kv_mode,
+    exit_threshold (Ouro's exit CDF, the 'gate' criterion), exit_criterion / exit_tol / min_loops
+    (per-position early exit), batch_size, device, dtype, max_length (tokens per request)."""
+
+    def __init__(
+        self,
+        pretrained: str = "tiny",
+        loops: int | None = None,
+        kv_mode: str | None = None,
+        exit_threshold: float | None = None,
+        exit_criterion: str | None = None,
+        exit_tol: float | None = None,
+        min_loops: int = 1,
+        batch_size: int | str = 16,
+        max_batch_size: int | None = None,
+        device: str | None = None,
+        dtype: str | None = None,
+        max_length: int = 2048,
+        scorer: Scorer | None = None,
+    ) -> None:
+        super().__init__()
+        del max_batch_size  # lm-eval passes it for its "auto" batch size, which this backend does not use
+        if scorer is None:
+            model = Model(pretrained, max_seq_len=max_length, device=device, dtype=dtype, kv_mode=kv_mode)
+            depth = checked_loops(loops, model.header.config)
+            criterion, tol = _exit_rule(exit_threshold, exit_criterion, exit_tol)
+            if criterion is not None:
+                ExitCriterion(criterion, tol, min_loops)  # refuse a bad rule before any request runs
+            scorer = Scorer(model, (depth,), _batch_size(batch_size), criterion, tol, min_loops)
+        else:
+            depth = checked_loops(loops, scorer.model.header.config)
+        self.scorer = scorer
+        self.model = scorer.model
+        self.loops = depth
+        self.max_length = self.model.max_seq_len
+        self.byte_level = not self.model.has_tokenizer
+        self.generated_exit_depths: list[int] = []
+
+    @classmethod
+    def sweep(cls, depths: Sequence[int] | None, pretrained: str = "tiny", **kwargs: Any) -> list[TinyLoopLM]:
+        """One backend per depth (None: the model's default), sharing one model and one scorer (every
+        depth from one forward)."""
+        first = cls(pretrained, loops=max(depths) if depths else None, **kwargs)
+        scorer = first.scorer
+        cfg = scorer.model.header.config
+        scorer.depths = tuple(sorted({checked_loops(d, cfg) for d in depths})) if depths else (first.loops,)
+        return [first if d == first.loops else cls(loops=d, scorer=scorer) for d in scorer.depths]
+
+    @property
+    def mean_exit_depth(self) -> float:
+        """Mean depth read per scored token (and per generated token), NaN when nothing was run."""
+        totals = self.scorer.totals.get(self.loops, DepthTotals())
+        depth_sum = totals.depth_sum + sum(self.generated_exit_depths)
+        count = totals.tokens + len(self.generated_exit_depths)
+        return depth_sum / count if count else float("nan")
+
+    # ---- tokenization ------------------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        if self.byte_level:
+            return NEWLINE
+        stops = self.model.tokenizer.stop_ids
+        return stops[0] if stops else self.prefix_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        if self.byte_level:
+            return NEWLINE
+        meta = self.model.tokenizer.meta
+        if meta.bos_id is not None:
+            return int(meta.bos_id)
+        if meta.stop_ids:
+            return int(meta.stop_ids[0])
+        raise ValueError("the model's tokenizer has neither a bos nor an eos token to start a document with")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
+        return [int(t) for t in self.model.encode(string, add_bos=False)]
+
+    def tok_decode(self, tokens: Sequence[int]) -> str:
+        return self.model.decode(np.asarray(tokens, dtype=np.int32)) if len(tokens) else ""
+
+    @property
+    def tokenizer_name(self) -> str:
+        return "bytes" if self.byte_level else f"tinyloop:{self.model.path.name}"
+
+    # ---- scoring -------------------------------------------------------------------------------
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[Any, list[int], list[int]]], **kwargs: Any
+    ) -> list[tuple[float, bool]]:
+        rows = []
+        for _, context, continuation in requests:
+            if not continuation:
+                raise ValueError("lm-eval asked for the log-likelihood of an empty continuation")
+            if len(continuation) >= self.max_length:
+                raise ValueError(
+                    f"a continuation of {len(continuation)} tokens does not fit max_length {self.max_length}"
+                )
+            tokens = (context + continuation)[-self.max_length :]
+            rows.append((tokens, len(continuation)))
+        results = self.scorer.score(rows, self.loops)
+        for (cache_key, _, _), result in zip(requests, results, strict=True):
+            if cache_key is not None:
+                self.cache_hook.add_partial("loglikelihood", cache_key, result)
+        return results
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        windows: list[tuple[Any, list[int], list[int]]] = []
+        counts = []
+        for request in requests:
+            (text,) = request.args
+            pieces = lm_utils.get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length, context_len=1,
+            )  # fmt: skip
+            doc = [lm_utils.make_disjoint_window(p) for p in pieces]
+            windows.extend((None, context, continuation) for context, continuation in doc)
+            counts.append(len(doc))
+        scores = self._loglikelihood_tokens(windows)
+        out = []
+        start = 0
+        for request, count in zip(requests, counts, strict=True):
+            total = sum(lp for lp, _ in scores[start : start + count])
+            start += count
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+            out.append(total)
+        return out
+
+    # ---- generation --------------------------------------------------------------------------
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].args[0]))
+        out: list[str] = [""] * len(requests)
+        for i in order:
+            context, gen_kwargs = requests[i].args
+            out[i] = self._generate_one(context, dict(gen_kwargs or {}))
+            self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
+        return out
+
+    def _generate_one(self, context: str, kwargs: dict[str, Any]) -> str:
+        until = kwargs.pop("until", None) or []
+        until = [until] if isinstance(until, str) else list(until)
+        max_gen = int(kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
+        temperature = float(kwargs.pop("temperature", 0.0)) if kwargs.pop("do_sample", False) else 0.0
+        if max_gen >= self.max_length:
+            raise ValueError(f"max_gen_toks {max_gen} must be below max_length {self.max_length}")
+        ids = np.asarray(self.tok_encode(context)[-(self.max_length - max_gen) :], dtype=np.int32)
+        if ids.size == 0:
+            ids = np.asarray([self.prefix_token_id], dtype=np.int32)
+        scorer = self.scorer
+        if scorer.exit_criterion is not None:
+            tokens = self.model.generate_tokens(
+                ids, max_gen, self.loops, temperature=temperature, exit_criterion=scorer.exit_criterion,
+                exit_tol=scorer.exit_tol, min_loops=scorer.min_loops,
+            )  # fmt: skip
+            stats = self.model.last_family_stats
+            if stats is not None:
+                self.generated_exit_depths.extend(stats.exit_depths)
+            stops = set(self.model.tokenizer.stop_ids) if not self.byte_level else set()
+            cut = next((k for k, t in enumerate(tokens) if int(t) in stops), len(tokens))
+            tokens = tokens[:cut]
+        else:
+            stop_tokens = None if self.byte_level else list(self.model.tokenizer.stop_ids) or None
+            tokens = self.model.generate(
+                ids, max_gen, self.loops, temperature=temperature, stop=until or None, stop_tokens=stop_tokens
+            )
+        text = self.tok_decode(tokens.tolist())
+        for stop in until:  # a token straddling a stop string is kept by generate: cut the text there
+            if stop:
+                text = text.split(stop)[0]
+        return text
+
+
+def task_manager(include_path: str | Path | None = None, include_defaults: bool = False) -> Any:
+    """lm-eval's TaskManager over the shipped local tasks and those under include_path; include_defaults
+    adds lm-eval's own tasks (indexing them takes seconds, and most need a download or a filled cache)."""
+    from lm_eval.tasks import TaskManager
+
+    paths = [str(TASKS_DIR)] + ([str(include_path)] if include_path is not None else [])
+    return TaskManager(include_path=paths, include_defaults=include_defaults)
+
+
+def _batch_size(value: int | str) -> int:
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1 or isinstance(value, bool):
+        raise ValueError(f"batch_size must be a positive integer, got {value!r}")
+    return size
+
+
+def _exit_rule(threshold: float | None, criterion: str | None, tol: float | None) -> tuple[str | None, float | None]:
+    if threshold is None:
+        return criterion, tol
+    if criterion is not None:
+        raise ValueError("choose exit_threshold or exit_criterion, not both")
+    return "gate", float(threshold)
