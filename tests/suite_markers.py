@@ -31,6 +31,10 @@ SLOW_TESTS = (
     "cli/test_benchmark.py::test_command_line_end_to_end",
     "cache/test_handle_lifetime.py::test_cli_cache_window",
     "cli/test_dtype_auto.py::test_speculate_takes_the_same_dtype_as_generate",
+    "integrations/test_lm_eval.py::test_cli_errors_are_one_line",
+    "integrations/test_lm_eval.py::test_shipped_task_through_lm_evals_evaluator_repeats",
+    "integrations/test_lm_eval.py::test_cli_sweep_writes_table_json_and_both_argument_orders",
+    "integrations/test_lm_eval.py::test_greedy_generate_until_equals_generate_with_the_same_stops",
 )
 
 

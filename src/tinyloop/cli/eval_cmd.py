@@ -38,7 +38,7 @@ def build_parser() -> Parser:
     p.add_argument("--exit-criterion", choices=EXIT_CRITERIA, default=None, help="per-token early exit rule")
     p.add_argument("--exit-tol", type=non_negative_float, default=None, help="the criterion's threshold")
     p.add_argument("--kv-mode", choices=KV_MODES, default=None, help="KV cache of generation tasks")
-    p.add_argument("--max-length", type=positive_int, default=2048, help="tokens per request (default: 2048)")
+    p.add_argument("--max-length", type=positive_int, default=None, help="tokens per request (default: the model's)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N")
     add_dtype_argument(p)
     return p
@@ -59,7 +59,7 @@ def run_eval(path: str, argv: list[str]) -> int:
     try:
         from tinyloop.integrations.sweep import format_table, plot_sweep, run_sweep, write_json
     except ImportError as exc:
-        if "lm_eval" not in str(exc):
+        if (exc.name or "").split(".")[0] != "lm_eval":
             raise
         raise CliError("eval needs lm-evaluation-harness (pip install 'loopformer[eval]')", code=1) from None
     if args.output is not None and not Path(args.output).absolute().parent.is_dir():

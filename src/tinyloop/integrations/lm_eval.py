@@ -94,7 +94,8 @@ class Scorer:
 class TinyLoopLM(TemplateLM):
     """lm-eval model arguments: pretrained (a .tinyloop path or a built-in name), loops, kv_mode,
     exit_threshold (Ouro's exit CDF, the 'gate' criterion), exit_criterion / exit_tol / min_loops
-    (per-position early exit), batch_size, device, dtype, max_length (tokens per request)."""
+    (per-position early exit), batch_size, device, dtype, max_length (tokens per request; None: the
+    runtime's default for the model)."""
 
     def __init__(
         self,
@@ -109,7 +110,7 @@ class TinyLoopLM(TemplateLM):
         max_batch_size: int | None = None,
         device: str | None = None,
         dtype: str | None = None,
-        max_length: int = 2048,
+        max_length: int | None = None,
         scorer: Scorer | None = None,
     ) -> None:
         super().__init__()
@@ -221,46 +222,61 @@ class TinyLoopLM(TemplateLM):
 
     # ---- generation --------------------------------------------------------------------------
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        order = sorted(range(len(requests)), key=lambda i: -len(requests[i].args[0]))
-        out: list[str] = [""] * len(requests)
-        for i in order:
-            context, gen_kwargs = requests[i].args
-            out[i] = self._generate_one(context, dict(gen_kwargs or {}))
-            self.cache_hook.add_partial("generate_until", requests[i].args, out[i])
+        """Greedy (or sampled, if a request asks) continuations up to the first `until` string, rows of
+        similar length decoded together by Model.generate_batch (per-position exit rules: one at a time)."""
+        jobs = [self._generation_job(*request.args) for request in requests]
+        order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i].prompt))
+        size = 1 if self.scorer.exit_criterion is not None else self.scorer.batch_size
+        out: list[str] = [""] * len(jobs)
+        for start in range(0, len(order), size):
+            chunk = order[start : start + size]
+            for i, tokens in zip(chunk, self._generate([jobs[i] for i in chunk]), strict=True):
+                text = self.tok_decode(tokens.tolist())
+                for stop in jobs[i].until:  # generate keeps a token that straddles a stop string: cut there
+                    text = text.split(stop)[0]
+                out[i] = text
+                self.cache_hook.add_partial("generate_until", requests[i].args, text)
         return out
 
-    def _generate_one(self, context: str, kwargs: dict[str, Any]) -> str:
+    def _generation_job(self, context: str, gen_kwargs: dict[str, Any] | None) -> _Generation:
+        kwargs = dict(gen_kwargs or {})
         until = kwargs.pop("until", None) or []
-        until = [until] if isinstance(until, str) else list(until)
+        until = [until] if isinstance(until, str) else [u for u in until if u]
         max_gen = int(kwargs.pop("max_gen_toks", DEFAULT_MAX_GEN_TOKS))
         temperature = float(kwargs.pop("temperature", 0.0)) if kwargs.pop("do_sample", False) else 0.0
-        if max_gen >= self.max_length:
-            raise ValueError(f"max_gen_toks {max_gen} must be below max_length {self.max_length}")
-        ids = np.asarray(self.tok_encode(context)[-(self.max_length - max_gen) :], dtype=np.int32)
-        if ids.size == 0:
-            ids = np.asarray([self.prefix_token_id], dtype=np.int32)
-        scorer = self.scorer
-        if scorer.exit_criterion is not None:
-            tokens = self.model.generate_tokens(
-                ids, max_gen, self.loops, temperature=temperature, exit_criterion=scorer.exit_criterion,
-                exit_tol=scorer.exit_tol, min_loops=scorer.min_loops,
+        if not 0 < max_gen < self.max_length:
+            raise ValueError(f"max_gen_toks must be in [1, max_length {self.max_length}), got {max_gen}")
+        prompt = self.tok_encode(context)[-(self.max_length - max_gen) :] or [self.prefix_token_id]
+        return _Generation(np.asarray(prompt, dtype=np.int32), until, max_gen, temperature)
+
+    def _generate(self, jobs: list[_Generation]) -> list[np.ndarray]:
+        model, scorer = self.model, self.scorer
+        stop_ids = [] if self.byte_level else list(model.tokenizer.stop_ids)
+        if scorer.exit_criterion is None:
+            return model.generate_batch(
+                [j.prompt for j in jobs], [j.max_tokens for j in jobs], self.loops,
+                temperature=[j.temperature for j in jobs], stop=[j.until or None for j in jobs],
+                stop_tokens=stop_ids or None,
             )  # fmt: skip
-            stats = self.model.last_family_stats
-            if stats is not None:
-                self.generated_exit_depths.extend(stats.exit_depths)
-            stops = set(self.model.tokenizer.stop_ids) if not self.byte_level else set()
-            cut = next((k for k, t in enumerate(tokens) if int(t) in stops), len(tokens))
-            tokens = tokens[:cut]
-        else:
-            stop_tokens = None if self.byte_level else list(self.model.tokenizer.stop_ids) or None
-            tokens = self.model.generate(
-                ids, max_gen, self.loops, temperature=temperature, stop=until or None, stop_tokens=stop_tokens
-            )
-        text = self.tok_decode(tokens.tolist())
-        for stop in until:  # a token straddling a stop string is kept by generate: cut the text there
-            if stop:
-                text = text.split(stop)[0]
-        return text
+        (job,) = jobs
+        tokens = model.generate_tokens(
+            job.prompt, job.max_tokens, self.loops, temperature=job.temperature,
+            exit_criterion=scorer.exit_criterion, exit_tol=scorer.exit_tol, min_loops=scorer.min_loops,
+        )  # fmt: skip
+        if model.last_family_stats is not None:
+            self.generated_exit_depths.extend(model.last_family_stats.exit_depths)
+        cut = next((k for k, t in enumerate(tokens) if int(t) in stop_ids), len(tokens))
+        return [tokens[:cut]]
+
+
+@dataclass(frozen=True)
+class _Generation:
+    """One generate_until request, tokenized: the prompt (left-truncated to leave room) and its limits."""
+
+    prompt: np.ndarray
+    until: list[str]
+    max_tokens: int
+    temperature: float
 
 
 def task_manager(include_path: str | Path | None = None, include_defaults: bool = False) -> Any:
