@@ -243,3 +243,27 @@ def test_a_failing_request_ends_alone(models, monkeypatch) -> None:
         list(bad.tokens())
     assert s.stats()["failed"] == 1
     assert isinstance(good.result(), np.ndarray) and good.result().dtype == np.int32
+
+
+def test_batched_decode_steps_take_the_cpu_fast_path(models, monkeypatch) -> None:
+    m = models["16bit"]
+    decoder = m._engine.decoder
+    assert decoder is not None  # float32 on the CPU: the CPU decode path
+    handled: list[int] = []
+    decode = decoder.decode
+
+    def counting(tokens, *args, **kwargs):  # type: ignore[no-untyped-def]
+        out = decode(tokens, *args, **kwargs)
+        if tokens.shape[1] == 1:  # a decode step (prefills have the prompt's length)
+            handled.append(tokens.shape[0] if out is not None else -1)
+        return out
+
+    monkeypatch.setattr(decoder, "decode", counting)
+    s = tinyloop.Scheduler(m, max_batch=4)
+    handles = [s.submit(list(b"abc"[: i + 2]), max_tokens=4 + i, temperature=0.0) for i in range(3)]
+    s.stop(drain=True)
+    assert [h.result().tolist() for h in handles] == [
+        _alone(m, list(b"abc"[: i + 2]), dict(max_tokens=4 + i, temperature=0.0)) for i in range(3)
+    ]
+    # Every decode step went through it (none declined: -1), over the leading slots in use (a power of two).
+    assert handled and set(handled) <= {1, 2, 4} and 4 in handled

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+import copy
+from typing import Any, Protocol
 
 import torch
 
@@ -38,6 +39,8 @@ class ModeCache(StepCache, Protocol):
     restore(tensors, length, loops, use, row): load such a snapshot into `row` (default 0) and keep its
     first `use` tokens; `can_use(length, use)` says whether that truncation is exact in this mode.
     clear_row(row): zero a row's buffers and length (after a failed request: nothing it wrote is read again).
+    leading(n) / absorb(view): a cache over rows [0, n) sharing the buffers (a step over fewer rows), and
+    taking back the bookkeeping (lengths, ring positions) a step over it replaced.
     """
 
     mode: str
@@ -50,6 +53,10 @@ class ModeCache(StepCache, Protocol):
     def restore(self, tensors: dict[str, torch.Tensor], length: int, loops: int, use: int, row: int = 0) -> None: ...
 
     def clear_row(self, row: int) -> None: ...
+
+    def leading(self, n: int) -> ModeCache: ...
+
+    def absorb(self, view: ModeCache) -> None: ...
 
     def can_use(self, length: int, use: int) -> bool: ...
 
@@ -77,7 +84,37 @@ def row_lengths(length: int | torch.Tensor, batch: int) -> torch.Tensor:
     return torch.as_tensor(length, dtype=torch.long).expand(batch).clone()
 
 
-class PositionalSnapshots:
+class RowViews:
+    """leading(n) / absorb(view) for caches whose buffers have the batch on axis 1 ([slots, B, ...]) and
+    whose per-row bookkeeping (`_row_state`, batch on axis 0) a step replaces rather than writes into."""
+
+    lengths: torch.Tensor
+    _row_state: tuple[str, ...] = ("lengths",)
+
+    def _row_buffers(self) -> list[str]:
+        """Attributes holding [slots, B, ...] buffers."""
+        return ["k", "v"]
+
+    def leading(self, n: int) -> Any:
+        view = copy.copy(self)
+        for name in self._row_buffers():
+            setattr(view, name, getattr(self, name).narrow(1, 0, n))
+        for name in self._row_state:
+            setattr(view, name, getattr(self, name)[:n].clone())
+        rows = getattr(self, "_rows", None)
+        if rows is not None:
+            view._rows = rows[:n]  # type: ignore[attr-defined]
+        return view
+
+    def absorb(self, view: Any) -> None:
+        for name in self._row_state:
+            part = getattr(view, name)
+            whole = getattr(self, name).clone()
+            whole[: part.shape[0]] = part
+            setattr(self, name, whole)
+
+
+class PositionalSnapshots(RowViews):
     """snapshot/restore for caches whose buffers hold position p at index p ([slots, B, ..., max_seq, ...])."""
 
     cfg: ArchConfig
@@ -88,6 +125,9 @@ class PositionalSnapshots:
     def _positional(self) -> dict[str, tuple[torch.Tensor, int]]:
         """name -> (buffer, the buffer's position axis)."""
         raise NotImplementedError
+
+    def _row_buffers(self) -> list[str]:
+        return list(self._positional())
 
     def snapshot(self, length: int, loops: int) -> dict[str, torch.Tensor]:
         if not 0 < length <= int(self.lengths[0]) or loops > self.loops:

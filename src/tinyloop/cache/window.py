@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
-from tinyloop.cache.base import allocate, copy_out, row_lengths
+from tinyloop.cache.base import RowViews, allocate, copy_out, row_lengths
 from tinyloop.config import ArchConfig
 from tinyloop.model.layers import StepContext
 
 
-class WindowKVCache:
+class WindowKVCache(RowViews):
     """k, v: [slots, B, kv_heads, N, hd] in the compute dtype; position p lives at ring index p % N.
 
     `ring_pos[b, i]` is the position ring index i holds in row b (-1: empty); every slot holds the same
@@ -19,6 +19,7 @@ class WindowKVCache:
     """
 
     mode = "window"
+    _row_state = ("lengths", "ring_pos")
 
     def __init__(
         self,

@@ -315,15 +315,26 @@ class SlotScheduler:
 
     def _decode(self) -> None:
         rows = self._decoding()
-        loops = max(row.loops for row in rows if row is not None and not row.done)
+        live = [b for b, row in enumerate(rows) if row is not None and not row.done]
+        loops = max(rows[b].loops for b in live)  # type: ignore[union-attr]
+        # The step covers the leading slots up to the last live row, rounded up to a power of two (the
+        # bucket a captured graph would serve): new requests take the lowest free slot.
+        n = min(1 << (live[-1]).bit_length(), len(rows))
+        rows = rows[:n]
         try:
-            logits = decode_step(self.engine, self.slots, rows, loops)
+            slots = self.slots
+            if slots is None or n == len(self._rows):
+                logits = decode_step(self.engine, slots, rows, loops)
+            else:
+                view = slots.leading(n)
+                logits = decode_step(self.engine, view, rows, loops)
+                slots.absorb(view)
         except Exception as exc:  # a failed step fails every request in it
             for req in self._rows:
                 if req is not None and not req.row.done:
                     self._fail(req, exc)
             return
-        for b, req in enumerate(self._rows):
+        for b, req in enumerate(self._rows[:n]):
             if req is None or req.row.done or rows[b] is None:
                 continue
             try:
