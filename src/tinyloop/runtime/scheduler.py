@@ -89,7 +89,7 @@ class SlotScheduler:
         self._closed = False
         self._counts = dict.fromkeys(
             ("prompt_tokens", "generated_tokens", "prefix_hit_requests", "prefix_hit_tokens", "finished",
-             "aborted", "failed"), 0,
+             "aborted", "failed", "decode_steps", "decode_rows"), 0,
         )  # fmt: skip
 
     # ---- caller side (any thread) -------------------------------------------------------------
@@ -128,7 +128,8 @@ class SlotScheduler:
 
     def stats(self) -> dict[str, int]:
         """running (requests in slots or prefilling), waiting, and totals since creation: prompt and
-        generated tokens, prefix-pool hits (requests / tokens), finished, aborted, failed."""
+        generated tokens, prefix-pool hits (requests / tokens), finished, aborted, failed, decode steps
+        and the rows they decoded (their ratio is the mean batch size)."""
         with self._cond:
             running = sum(r is not None for r in self._rows) + (self._prefilling is not None)
             return {"running": running, "waiting": len(self._waiting), **self._counts}
@@ -330,10 +331,14 @@ class SlotScheduler:
                 logits = decode_step(self.engine, view, rows, loops)
                 slots.absorb(view)
         except Exception as exc:  # a failed step fails every request in it
-            for req in self._rows:
-                if req is not None and not req.row.done:
-                    self._fail(req, exc)
+            for b in live:
+                req = self._rows[b]
+                assert req is not None
+                self._fail(req, exc)
             return
+        with self._cond:
+            self._counts["decode_steps"] += 1
+            self._counts["decode_rows"] += len(live)
         for b, req in enumerate(self._rows[:n]):
             if req is None or req.row.done or rows[b] is None:
                 continue
