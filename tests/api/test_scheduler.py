@@ -267,3 +267,44 @@ def test_batched_decode_steps_take_the_cpu_fast_path(models, monkeypatch) -> Non
     ]
     # Every decode step went through it (none declined: -1), over the leading slots in use (a power of two).
     assert handled and set(handled) <= {1, 2, 4} and 4 in handled
+
+
+EXIT_ROWS = [
+    (list(b"Hello there"), dict(exit_criterion="argmax", exit_tol=1)),
+    (list(b"abc"), dict(exit_criterion="latent", exit_tol=0.5, min_loops=2)),
+    (list(b"The value of x is"), dict()),
+    (list(b"q"), dict(exit_criterion="kl", exit_tol=0.05)),
+    (list(b"zz top"), dict(exit_criterion="entropy", exit_tol=0.05, temperature=0.9, seed=4)),
+]
+
+
+def test_per_row_exit_in_a_batch_equals_each_row_alone(models) -> None:
+    m = models["16bit"]
+    s = tinyloop.Scheduler(m, max_batch=4, max_loops=6)
+    handles = []
+    for i, (prompt, kw) in enumerate(EXIT_ROWS):
+        handles.append(s.submit(prompt, max_tokens=8, loops=6, **{"temperature": 0.0, **kw}))
+        if i % 2:
+            s.step()  # the next rows join a running batch
+    s.stop()
+    depths = []
+    for h, (prompt, kw) in zip(handles, EXIT_ROWS, strict=True):
+        alone = m.generate_tokens(prompt, 8, 6, stop=False, **{"temperature": 0.0, **kw}).tolist()
+        assert h.result().tolist() == alone
+        assert h.stats.token_loops == m.last_family_stats.exit_depths
+        depths += h.stats.token_loops[1:]
+    assert min(depths) < 6 and max(depths) == 6  # rows did exit early, at different depths
+    assert handles[2].stats.loops_per_token == 6
+
+
+@pytest.mark.parametrize("mode", ["int8", "hidden", "window"])
+def test_per_row_exit_batched_equals_alone_in_other_kv_modes(models, mode: str) -> None:
+    m = models[mode]
+    outs = {}
+    for batch in (1, 4):
+        s = tinyloop.Scheduler(m, max_batch=batch, max_loops=6)
+        handles = [s.submit(p, max_tokens=6, loops=6, **{"temperature": 0.0, **kw}) for p, kw in EXIT_ROWS]
+        s.stop()
+        outs[batch] = [(h.result().tolist(), h.stats.token_loops) for h in handles]
+    assert outs[1] == outs[4]
+    assert min(d for _, loops in outs[4] for d in loops) < 6

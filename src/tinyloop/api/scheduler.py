@@ -14,11 +14,13 @@ from tinyloop.api.model import Model
 from tinyloop.cache.factory import make_cache
 from tinyloop.cache.pool import PrefixPool
 from tinyloop.grammar.vocab import TokenVocab
+from tinyloop.runtime.adaptive_exit import ExitCriterion
 from tinyloop.runtime.decode import Row
 from tinyloop.runtime.requests import Request, RequestHandle, RequestStats
 from tinyloop.runtime.sampling import TokenPicker
 from tinyloop.runtime.scheduler import PrefixHooks, SchedulerLimits, SlotScheduler
 from tinyloop.runtime.stop_strings import StopStringFilter
+from tinyloop.sampling import SamplingParams
 
 # The prefix pool a Scheduler keeps by default (prefix_pool=True): at most this many bytes of prompt K/V.
 DEFAULT_POOL_BYTES = 64 << 20
@@ -119,17 +121,24 @@ class Scheduler(SlotScheduler):
         grammar: Any = None,
         l_warmup_tokens: int = 0,
         l_warmup_loops: int = 2,
+        exit_criterion: str | None = None,
+        exit_tol: float | None = None,
+        min_loops: int = 1,
         logprobs: int | None = None,
     ) -> RequestHandle:
         """Queue a request (prompt: token ids; arguments as in `Model.generate`, checked here: ValueError /
-        TypeError). Raises QueueFullError when max_queue requests are already waiting."""
+        TypeError). Raises QueueFullError when max_queue requests are already waiting.
+
+        exit_criterion / exit_tol / min_loops (as in `generate_tokens`): each decode token of this request
+        stops iterating when its criterion fires, inside the batched step; `handle.stats.token_loops`."""
         model = self.model
         model._check_open()
         ids = model._tokens(prompt, "prompt")
         params = model._params(
             max_tokens=max_tokens, loops=loops, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
             stop_tokens=stop_tokens, stop=stop, grammar=grammar, l_warmup_tokens=l_warmup_tokens,
-            l_warmup_loops=l_warmup_loops, logprobs=logprobs,
+            l_warmup_loops=l_warmup_loops, logprobs=logprobs, exit_criterion=exit_criterion, exit_tol=exit_tol,
+            min_loops=min_loops,
         )  # fmt: skip
         n_loops = params.loops
         assert n_loops is not None
@@ -143,11 +152,21 @@ class Scheduler(SlotScheduler):
         vocab = self._model_vocab() if params.grammar is not None or params.stop else None
         index = grammar_index(params.grammar, vocab, model.device) if vocab is not None else None
         schedule = depth_schedule(params.l_warmup_tokens, params.l_warmup_loops, n_loops)
-        row = Row(ids, n_loops, params.max_tokens, TokenPicker(params, index, params.stop_tokens), schedule)
+        row = Row(ids, n_loops, params.max_tokens, TokenPicker(params, index, params.stop_tokens), schedule,
+                  exit=self._exit_criterion(params))  # fmt: skip
         stop_filter = StopStringFilter(vocab, params.stop) if params.stop and vocab is not None else None
         handle = RequestHandle(int(ids.numel()))
         handle.stats.logprobs = row.stats.logprobs  # the decode loop's records, read as the tokens arrive
         return self._enqueue(Request(row, handle, stop_filter))
+
+    def _exit_criterion(self, params: SamplingParams) -> ExitCriterion | None:
+        if params.exit_criterion is None:
+            return None
+        if self.slots is None:
+            raise ValueError("exit_criterion needs a KV cache; this model runs with kv_mode 'none'")
+        if params.exit_criterion == "gate" and not self.model.header.config.exit_gate:
+            raise ValueError("the 'gate' exit criterion needs a model with an exit gate (Ouro)")
+        return ExitCriterion(params.exit_criterion, params.exit_tol, params.min_loops)
 
     def _model_vocab(self) -> TokenVocab:
         if self._vocab is None:

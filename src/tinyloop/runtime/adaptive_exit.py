@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -99,38 +100,86 @@ class _Tracker:
         return self.streak >= int(thr)
 
 
-@torch.inference_mode()
 def adaptive_decode_step(
     engine: Engine, cache: KVCache, token: int, loops: int, crit: ExitCriterion
 ) -> tuple[torch.Tensor, int]:
     """One decode token (batch row 0) with per-token exit: (logits [V] float32, iterations run)."""
+    logits, depth = adaptive_rows_step(engine, cache, [token], [loops], [crit], [loops])
+    return logits[0], depth[0]
+
+
+@torch.inference_mode()
+def adaptive_rows_step(
+    engine: Engine,
+    cache: Any,
+    tokens: Sequence[int],
+    depth: Sequence[int],
+    criteria: Sequence[ExitCriterion | None],
+    fill_to: Sequence[int],
+) -> tuple[torch.Tensor, list[int]]:
+    """One decode token per cache row, each at its own position: row b iterates at most depth[b] times and
+    stops earlier when criteria[b] fires. Returns (logits [B, V] float32, iterations each row ran).
+
+    A row that stopped keeps its state while the others go on; afterwards its body K/V of the iterations it
+    skipped, up to fill_to[b], are filled by the one-row rule (`fill_skipped_iterations`), and the coda and
+    head read its exit state, so each row's logits and cache equal the row stepped alone.
+    """
     cfg, w = engine.cfg, engine.weights
-    pos = int(cache.lengths[0])
-    if pos + 1 > cache.max_seq:
-        raise ValueError(f"sequence of {pos + 1} tokens exceeds the cache's max_seq_len {cache.max_seq}")
-    positions = torch.tensor([[pos]], device=engine.device)
-    ctx = engine.context(positions, cache, pos + 1)
-    p = run_prelude(w, cfg, embed(w, cfg, torch.tensor([[token]], device=engine.device), engine.dtype), ctx)
-    s = initial_state(cfg, p, positions, engine.noise)
-    tracker = _Tracker(crit, cfg.vocab_size, prev_state=s)
-    logits: torch.Tensor | None = None
-    depth = loops
-    for t in range(loops):
-        s = loop_iteration(w, cfg, s, p, ctx, t)
-        if t == loops - 1 or t + 1 < crit.min_loops:
-            if crit.kind == "latent":
-                tracker.prev_state = s
-            continue
-        check = head(w, cfg, exit_hidden(w, cfg, s, ctx))[0, -1] if tracker.needs_logits() else None
-        gate = gate_logit(w, s)[0, -1] if crit.kind == "gate" else None
-        if tracker.should_exit(check, s, gate):
-            fill_skipped_iterations(cache, t + 1, loops, pos, pos + 1)
-            logits, depth = check, t + 1
-            break
-    if logits is None:
-        logits = head(w, cfg, exit_hidden(w, cfg, s, ctx))[0, -1]
-    cache.lengths = torch.maximum(cache.lengths, torch.tensor([pos + 1]))
-    return logits, depth
+    B = len(tokens)
+    start = cache.lengths.clone()
+    end = int(start.max()) + 1
+    if end > cache.max_seq:
+        raise ValueError(f"sequence of {end} tokens exceeds the cache's max_seq_len {cache.max_seq}")
+    with engine.lock:
+        positions = start.view(B, 1).to(engine.device)
+        ctx = engine.context(positions, cache, end)
+        begin_step = getattr(cache, "begin_step", None)
+        if begin_step is not None:  # the sliding window lays out its own span
+            ctx.mask = begin_step(positions, start, torch.ones(B, dtype=torch.long))
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=engine.device).view(B, 1)
+        p = run_prelude(w, cfg, embed(w, cfg, ids, engine.dtype), ctx)
+        s = initial_state(cfg, p, positions, engine.noise)
+        trackers = [None if c is None else _Tracker(c, cfg.vocab_size, prev_state=s[b : b + 1])
+                    for b, c in enumerate(criteria)]  # fmt: skip
+        ran = list(depth)
+        running = [True] * B
+        for t in range(max(depth)):
+            keep = torch.tensor(running, device=engine.device).view(B, 1, 1)
+            s = torch.where(keep, loop_iteration(w, cfg, s, p, ctx, t), s)
+            checks = []
+            for b, tr in enumerate(trackers):
+                if not running[b]:
+                    continue
+                if t + 1 == depth[b]:
+                    running[b] = False
+                if tr is None:
+                    continue
+                if t + 1 == depth[b] or t + 1 < tr.crit.min_loops:
+                    if tr.crit.kind == "latent":
+                        tr.prev_state = s[b : b + 1]
+                    continue
+                checks.append(b)
+            if checks:
+                wants_logits = any(trackers[b].needs_logits() for b in checks)  # type: ignore[union-attr]
+                check = head(w, cfg, exit_hidden(w, cfg, s, ctx))[:, -1] if wants_logits else None
+                gate = gate_logit(w, s)[:, -1] if w.exit_gate_weight is not None else None
+                for b in checks:
+                    tr = trackers[b]
+                    assert tr is not None
+                    row_logits = check[b] if check is not None and tr.needs_logits() else None
+                    row_gate = gate[b] if gate is not None and tr.crit.kind == "gate" else None
+                    if tr.should_exit(row_logits, s[b : b + 1], row_gate):
+                        ran[b], running[b] = t + 1, False
+            if not any(running):
+                break
+        # The coda (and its K/V) and the head see every row's exit state.
+        logits = head(w, cfg, exit_hidden(w, cfg, s, ctx))[:, -1]
+        cache.lengths = torch.maximum(cache.lengths, start + 1)
+        for b in range(B):
+            if ran[b] < fill_to[b]:
+                pos = int(start[b])
+                fill_skipped_iterations(cache, ran[b], fill_to[b], pos, pos + 1, row=b if B > 1 else None)
+    return logits, ran
 
 
 @dataclass

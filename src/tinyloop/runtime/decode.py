@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tinyloop.cache.base import StepCache
+from tinyloop.runtime.adaptive_exit import ExitCriterion, adaptive_rows_step
 from tinyloop.runtime.depth_schedule import DepthSchedule, fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.sampling import TokenPicker, token_logprob
@@ -43,6 +44,8 @@ class Row:
     start: Callable[[], torch.Tensor] | None = None
     tokens: list[int] = field(default_factory=list)
     done: bool = False
+    exit: ExitCriterion | None = None  # per-token adaptive depth: decode steps stop iterating when it fires
+    step_depths: list[int] = field(default_factory=list)  # iterations each decode step ran for this row
     started: float = 0.0  # perf_counter when the row began (its prefill)
     first_at: float = 0.0  # perf_counter when its first token came
 
@@ -160,15 +163,24 @@ def decode_step(engine: Engine, cache: StepCache | None, rows: Sequence[Row | No
         out = engine.step(tokens, None, loops, valid=lengths, last_only=True, depth=depths)
         assert out.logits is not None
         return out.logits[:, -1]
-    feed = torch.tensor([[row.tokens[-1] if row is not None and row.tokens else 0] for row in rows], dtype=torch.long)
+    feed = [row.tokens[-1] if row is not None and row.tokens else 0 for row in rows]
     before = cache.lengths.clone()
-    out = engine.step(feed, cache, loops, last_only=True, depth=depths)
-    assert out.logits is not None
+    exits = [row.exit if row is not None and ok else None for row, ok in zip(rows, live, strict=True)]
+    if any(e is not None for e in exits):
+        fill_to = [row.loops if row is not None and ok else 1 for row, ok in zip(rows, live, strict=True)]
+        logits, ran = adaptive_rows_step(engine, cache, feed, depth, exits, fill_to)
+    else:
+        out = engine.step(torch.tensor(feed, dtype=torch.long).view(-1, 1), cache, loops, last_only=True, depth=depths)
+        assert out.logits is not None
+        logits, ran = out.logits[:, -1], depth
+        for b, row in enumerate(rows):
+            if row is not None and live[b] and depth[b] < row.loops:
+                end = int(cache.lengths[b])
+                fill_skipped_iterations(cache, depth[b], row.loops, end - 1, end, row=b if len(rows) > 1 else None)
     finished = ~torch.tensor(live)
     if bool(finished.any()):
         cache.lengths = torch.where(finished, before, cache.lengths)
     for b, row in enumerate(rows):
-        if row is not None and live[b] and depth[b] < row.loops:
-            end = int(cache.lengths[b])
-            fill_skipped_iterations(cache, depth[b], row.loops, end - 1, end, row=b if len(rows) > 1 else None)
-    return out.logits[:, -1]
+        if row is not None and live[b]:
+            row.step_depths.append(ran[b])
+    return logits

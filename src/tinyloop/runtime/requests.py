@@ -22,7 +22,8 @@ FINISH_REASONS = {"max_tokens": "length", "stop_token": "stop", "stop_string": "
 @dataclass
 class RequestStats:
     """prompt_tokens / generated_tokens: tokens in and out; ttft_s: submit to the first token the caller
-    can read; latency_s: submit to the end; loops_per_token: mean iterations per generated token;
+    can read; latency_s: submit to the end; loops_per_token: mean iterations per generated token, whose
+    iterations are in `token_loops` (a depth schedule or an exit criterion makes them differ);
     prefix_hit_tokens: prompt tokens served from the prefix pool instead of prefilled; logprobs: with
     submit(logprobs=k), each generated token's TokenLogprob, in order."""
 
@@ -33,6 +34,7 @@ class RequestStats:
     loops_per_token: float = 0.0
     prefix_hit_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_loops: list[int] = field(default_factory=list)
 
 
 class RequestHandle:
@@ -131,7 +133,9 @@ class Request:
         if self.stop_filter is not None and not self.stop_filter.matched:
             self.handle._push([t for t, _ in self.stop_filter.flush()])
         row = self.row
-        n = len(row.tokens)
-        if n:
-            self.handle.stats.loops_per_token = sum(row.loops_at(i) for i in range(n)) / n
+        # The first token comes from the prefill (full depth), each later one from a decode step.
+        depths = ([row.loops] + row.step_depths)[: len(row.tokens)]
+        if depths:
+            self.handle.stats.token_loops = depths
+            self.handle.stats.loops_per_token = sum(depths) / len(depths)
         self.handle._finish(FINISH_REASONS.get(row.stats.stop_reason, "stop"))
