@@ -6,7 +6,7 @@ import os
 import sys
 
 from tinyloop.cli.args import Parser
-from tinyloop.cli.guard import run_guarded
+from tinyloop.cli.guard import one_line, run_guarded
 from tinyloop.cli.inspect_cmd import parse_or_exit_code
 
 PROG = "tinyloop-add-sign-bit"
@@ -57,7 +57,7 @@ def _run(argv: list[str]) -> int:
     try:
         report = add_rounding_channels(args.input, args.output, args.from_pt, args.frac_bits, not args.quiet)
     except (ValueError, OSError) as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(str(exc))}", file=sys.stderr)
         return 1
     size = os.path.getsize(args.output)
     print(
