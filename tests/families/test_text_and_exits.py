@@ -104,7 +104,7 @@ def test_generate_text_stops_at_end_tokens(family_files) -> None:
         cut = next((i for i, t in enumerate(full.tolist()) if t in stops), len(full))
         assert text == m.decode(full[:cut])
         stopped = m.generate_tokens(m.encode("The quick"), 16, temperature=0)
-        assert stopped.tolist() == full[: cut + 1].tolist()
+        assert stopped.tolist() == full[:cut].tolist()  # the stop token is not returned
         assert isinstance(m.generate_text([{"role": "user", "content": "hi"}], 5, temperature=0), str)
 
 
@@ -202,3 +202,14 @@ def test_cli_text_model_stop_strings_regex_and_warmup(family_files) -> None:
     assert warm.returncode == 0 and warm.stdout.startswith("The quick"), warm.stderr
     bad = _cli(path, *base, "--stop", "x", "--exit-criterion", "kl")
     assert bad.returncode == 2 and "do not combine" in bad.stderr
+
+
+@pytest.mark.parametrize(("mode", "window"), [("int8", 0), ("window", 5), ("hidden", 0)])
+def test_adaptive_exit_runs_in_the_models_kv_mode(family_files, mode: str, window: int) -> None:
+    with Model(family_files["huginn-zeros"], max_seq_len=64, device="cpu", kv_mode=mode, cache_window=window) as m:
+        prompt = [496, 263, 188, 163, 182, 103, 275]
+        full = m.generate(prompt, 8, loops=6, temperature=0)
+        never = m.generate_tokens(prompt, 8, loops=6, temperature=0, exit_criterion="kl", exit_tol=0.0, stop=False)
+        assert never.tolist() == full.tolist()
+        m.generate_tokens(prompt, 8, loops=6, temperature=0, exit_criterion="argmax", min_loops=2, stop=False)
+        assert m.last_family_stats is not None and len(m.last_family_stats.exit_depths) == 8

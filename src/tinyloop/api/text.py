@@ -85,7 +85,7 @@ class TextMixin(ModelBase):
         exit_threshold / exit_at_step / weighted_exit: Ouro's rules (every loop runs). exit_criterion
         ('kl', 'entropy', 'argmax', 'latent', 'gate') with exit_tol (None: Huginn's defaults) and min_loops:
         each decode token stops iterating early (docs/FAMILIES.md). stop: end after a stop token of the
-        embedded tokenizer (the stop token is yielded).
+        embedded tokenizer (the stop token is not yielded, as everywhere).
         """
         self._check_open()
         ids = self._tokens(prompt, "prompt")
@@ -105,8 +105,14 @@ class TextMixin(ModelBase):
                 f"prompt ({ids.numel()} tokens) + max_tokens ({max_tokens}) exceeds max_seq_len {self.max_seq_len}"
             )
         stops = self.tokenizer.stop_ids if stop and self.has_tokenizer else ()
-        self.last_family_stats = FamilyStats()
-        return stream_family(self._engine, ids, int(max_tokens), n, params, rule, crit, stops, self.last_family_stats)
+        self.last_family_stats = stats = FamilyStats()
+        engine = self._engine
+
+        def tokens() -> Iterator[int]:
+            with self._request_cache(n) as cache:
+                yield from stream_family(engine, cache, ids, params.max_tokens, n, params, rule, crit, stops, stats)
+
+        return tokens()
 
     def generate_tokens(
         self, prompt: Any, max_tokens: int = 128, loops: int | None = None, **kwargs: Any

@@ -69,15 +69,14 @@ def run_text_generate(path: str, args: argparse.Namespace, argv: list[str], gram
     exits = args.exit_threshold is not None or args.exit_at_step is not None or args.weighted_exit
     if runtime_features and (exits or args.exit_criterion):
         raise CliError("--stop, --regex, --json-schema and --l-warmup-tokens do not combine with the --exit-* options")
-    if args.cache_window:
-        raise CliError("--cache-window is not supported with an embedded tokenizer's generation yet")
     from tinyloop.api.model import Model
     from tinyloop.errors import TinyLoopFormatError
     from tinyloop.format.header import read_header
 
     try:
         max_pos = read_header(path).config.max_position
-        model = Model(path, max_seq_len=max_pos, device=args.device, dtype=torch_dtype(args.dtype, args.device))
+        model = Model(path, max_seq_len=max_pos, device=args.device, dtype=torch_dtype(args.dtype, args.device),
+                      cache_window=args.cache_window)  # fmt: skip
     except TinyLoopFormatError as exc:
         raise CliError(str(exc), code=1) from None
     except ValueError as exc:

@@ -10,19 +10,20 @@ features leave caches in the same state. The prompt always runs the full depth.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from tinyloop.cache.base import StepCache
 from tinyloop.cache.kv import KVCache
 from tinyloop.model.looped import embed, exit_hidden, gate_logit, head, initial_state, loop_iteration, run_prelude
+from tinyloop.runtime.decode import Row, decode_rows
 from tinyloop.runtime.depth_schedule import fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.family_exit import ExitRule, check_supported, exit_logits
-from tinyloop.runtime.sampling import sample_next
+from tinyloop.runtime.sampling import TokenPicker
 from tinyloop.runtime.stats import GenerationStats
 from tinyloop.sampling import SamplingParams
 
@@ -101,7 +102,7 @@ class _Tracker:
 
 
 def adaptive_decode_step(
-    engine: Engine, cache: KVCache, token: int, loops: int, crit: ExitCriterion
+    engine: Engine, cache: StepCache, token: int, loops: int, crit: ExitCriterion
 ) -> tuple[torch.Tensor, int]:
     """One decode token (batch row 0) with per-token exit: (logits [V] float32, iterations run)."""
     logits, depth = adaptive_rows_step(engine, cache, [token], [loops], [crit], [loops])
@@ -189,6 +190,7 @@ class FamilyStats(GenerationStats):
 
 def stream_family(
     engine: Engine,
+    cache: StepCache | None,
     prompt: torch.Tensor,
     max_tokens: int,
     loops: int,
@@ -198,8 +200,9 @@ def stream_family(
     stop_ids: tuple[int, ...] = (),
     stats: FamilyStats | None = None,
 ) -> Iterator[int]:
-    """Yield new ids (a stop id is yielded, then the stream ends). `rule` reads Ouro's gate over all loops
-    (the reference's semantics); `criterion` exits each decode token early. Not both."""
+    """Yield new ids (a stop id ends the stream and is not yielded) through the decode loop. `rule` reads
+    Ouro's gate over all loops (the reference's semantics); `criterion` exits each decode token early. Not
+    both. `cache`: the request's cache of the model's KV mode (None: a private dense one)."""
     rule = rule or ExitRule()
     if criterion is not None and not rule.is_last:
         raise ValueError("use either an exit rule (exit_threshold / exit_at_step / weighted_exit) or an exit criterion")
@@ -207,32 +210,30 @@ def stream_family(
     if criterion is not None and criterion.kind == "gate" and not engine.cfg.exit_gate:
         raise ValueError("the 'gate' exit criterion needs a model with an exit gate (Ouro)")
     stats = stats if stats is not None else FamilyStats()
-    stats.prompt_tokens = int(prompt.numel())
-    if max_tokens == 0:
-        return
-    cache = KVCache(engine.cfg, 1, int(prompt.numel()) + max_tokens, loops, engine.device, engine.dtype)
-    gen = params.generator()
-    t0 = time.perf_counter()
-    logits = _rule_step(engine, cache, prompt.to(torch.long).view(1, -1), loops, rule)
-    stats.prefill_s = time.perf_counter() - t0
-    stats.exit_depths.append(loops)
-    t1 = time.perf_counter()
-    for i in range(max_tokens):
-        token = sample_next(logits, params.temperature, params.top_k, params.top_p, gen)
-        stats.generated_tokens += 1
-        if i:
-            stats.decode_s = time.perf_counter() - t1
-        yield token
-        if token in stop_ids or i == max_tokens - 1:
-            return
+    work: StepCache = (
+        cache
+        if cache is not None
+        else KVCache(engine.cfg, 1, int(prompt.numel()) + max_tokens, loops, engine.device, engine.dtype)
+    )
+
+    def first() -> torch.Tensor:
+        work.truncate(0)
+        stats.exit_depths.append(loops)
+        return _rule_step(engine, work, prompt.to(torch.long).view(1, -1), loops, rule)
+
+    def step(token: int) -> torch.Tensor:
         if criterion is None:
-            logits = _rule_step(engine, cache, torch.tensor([[token]]), loops, rule)
-            stats.exit_depths.append(loops)
+            logits, depth = _rule_step(engine, work, torch.tensor([[token]]), loops, rule), loops
         else:
-            logits, depth = adaptive_decode_step(engine, cache, token, loops, criterion)
-            stats.exit_depths.append(depth)
+            logits, depth = adaptive_decode_step(engine, work, token, loops, criterion)
+        stats.exit_depths.append(depth)
+        return logits
+
+    picker = TokenPicker(params, None, frozenset(stop_ids))
+    row = Row(prompt, loops, max_tokens, picker, stats=stats, start=first, step=step)
+    yield from (token for _, token in decode_rows(engine, work, [row]))
 
 
-def _rule_step(engine: Engine, cache: KVCache, tokens: torch.Tensor, loops: int, rule: ExitRule) -> torch.Tensor:
+def _rule_step(engine: Engine, cache: StepCache, tokens: torch.Tensor, loops: int, rule: ExitRule) -> torch.Tensor:
     out = engine.step(tokens, cache, loops, last_only=True, collect_states=not rule.is_last)
     return exit_logits(engine.weights, engine.cfg, out, rule, slice(-1, None))[0, -1]

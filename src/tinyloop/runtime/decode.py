@@ -33,6 +33,7 @@ class Row:
 
     start: for a row that resumes from stored state (prefix cache, pool, resume handle; batch of one):
     makes the cache hold the prompt and returns the next-token logits [V], instead of the prefill.
+    step: a row's own decode step (batch of one), token -> logits [V], e.g. the families' adaptive exit.
     """
 
     prompt: torch.Tensor
@@ -42,6 +43,7 @@ class Row:
     schedule: DepthSchedule | None = None
     stats: GenerationStats = field(default_factory=GenerationStats)
     start: Callable[[], torch.Tensor] | None = None
+    step: Callable[[int], torch.Tensor] | None = None
     tokens: list[int] = field(default_factory=list)
     done: bool = False
     exit: ExitCriterion | None = None  # per-token adaptive depth: decode steps stop iterating when it fires
@@ -73,7 +75,13 @@ def decode_rows(engine: Engine, cache: StepCache | None, rows: Sequence[Row]) ->
         yield from pick_tokens(rows, logits)
         if all(row.done for row in rows):
             return
-        logits = decode_step(engine, cache, rows, loops)
+        own_step = rows[0].step
+        if own_step is None:
+            logits = decode_step(engine, cache, rows, loops)
+        elif len(rows) == 1:
+            logits = own_step(rows[0].tokens[-1]).view(1, -1)
+        else:
+            raise ValueError("a row with its own decode step runs in a batch of one")
 
 
 def begin(row: Row) -> None:
