@@ -10,8 +10,9 @@ import numpy as np
 
 from tinyloop.api.base import ModelBase
 from tinyloop.api.tokens import as_token_array
-from tinyloop.runtime.adaptive_exit import ExitCriterion, FamilyStats, stream_family
+from tinyloop.runtime.adaptive_exit import ExitCriterion, FamilyStats
 from tinyloop.runtime.family_exit import ExitRule, check_supported, exit_logits
+from tinyloop.runtime.family_generate import stream_family
 from tinyloop.sampling import SamplingParams
 
 

@@ -10,22 +10,18 @@ features leave caches in the same state. The prompt always runs the full depth.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from tinyloop.cache.base import StepCache
-from tinyloop.cache.kv import KVCache
 from tinyloop.model.looped import embed, exit_hidden, gate_logit, head, initial_state, loop_iteration, run_prelude
-from tinyloop.runtime.decode import Row, decode_rows
 from tinyloop.runtime.depth_schedule import fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
-from tinyloop.runtime.family_exit import ExitRule, check_supported, exit_logits
-from tinyloop.runtime.sampling import TokenPicker
+from tinyloop.runtime.family_exit import ExitRule, exit_logits
 from tinyloop.runtime.stats import GenerationStats
-from tinyloop.sampling import SamplingParams
 
 CRITERIA = ("kl", "entropy", "argmax", "latent", "gate")
 # Huginn's "auto" thresholds (argmax: consecutive unchanged steps); gate: Ouro's CDF threshold q.
@@ -188,52 +184,6 @@ class FamilyStats(GenerationStats):
     exit_depths: list[int] = field(default_factory=list)  # iterations run per generated token (prompt: full)
 
 
-def stream_family(
-    engine: Engine,
-    cache: StepCache | None,
-    prompt: torch.Tensor,
-    max_tokens: int,
-    loops: int,
-    params: SamplingParams,
-    rule: ExitRule | None = None,
-    criterion: ExitCriterion | None = None,
-    stop_ids: tuple[int, ...] = (),
-    stats: FamilyStats | None = None,
-) -> Iterator[int]:
-    """Yield new ids (a stop id ends the stream and is not yielded) through the decode loop. `rule` reads
-    Ouro's gate over all loops (the reference's semantics); `criterion` exits each decode token early. Not
-    both. `cache`: the request's cache of the model's KV mode (None: a private dense one)."""
-    rule = rule or ExitRule()
-    if criterion is not None and not rule.is_last:
-        raise ValueError("use either an exit rule (exit_threshold / exit_at_step / weighted_exit) or an exit criterion")
-    check_supported(engine.cfg, rule, loops)
-    if criterion is not None and criterion.kind == "gate" and not engine.cfg.exit_gate:
-        raise ValueError("the 'gate' exit criterion needs a model with an exit gate (Ouro)")
-    stats = stats if stats is not None else FamilyStats()
-    work: StepCache = (
-        cache
-        if cache is not None
-        else KVCache(engine.cfg, 1, int(prompt.numel()) + max_tokens, loops, engine.device, engine.dtype)
-    )
-
-    def first() -> torch.Tensor:
-        work.truncate(0)
-        stats.exit_depths.append(loops)
-        return _rule_step(engine, work, prompt.to(torch.long).view(1, -1), loops, rule)
-
-    def step(token: int) -> torch.Tensor:
-        if criterion is None:
-            logits, depth = _rule_step(engine, work, torch.tensor([[token]]), loops, rule), loops
-        else:
-            logits, depth = adaptive_decode_step(engine, work, token, loops, criterion)
-        stats.exit_depths.append(depth)
-        return logits
-
-    picker = TokenPicker(params, None, frozenset(stop_ids))
-    row = Row(prompt, loops, max_tokens, picker, stats=stats, start=first, step=step)
-    yield from (token for _, token in decode_rows(engine, work, [row]))
-
-
-def _rule_step(engine: Engine, cache: StepCache, tokens: torch.Tensor, loops: int, rule: ExitRule) -> torch.Tensor:
+def rule_step(engine: Engine, cache: StepCache, tokens: torch.Tensor, loops: int, rule: ExitRule) -> torch.Tensor:
     out = engine.step(tokens, cache, loops, last_only=True, collect_states=not rule.is_last)
     return exit_logits(engine.weights, engine.cfg, out, rule, slice(-1, None))[0, -1]
