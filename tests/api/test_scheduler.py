@@ -308,3 +308,24 @@ def test_per_row_exit_batched_equals_alone_in_other_kv_modes(models, mode: str) 
         outs[batch] = [(h.result().tolist(), h.stats.token_loops) for h in handles]
     assert outs[1] == outs[4]
     assert min(d for _, loops in outs[4] for d in loops) < 6
+
+
+def test_an_unexpected_step_error_fails_the_requests_and_the_loop_goes_on(models, monkeypatch) -> None:
+    m = models["16bit"]
+    s = tinyloop.Scheduler(m, max_batch=2)
+    broken = RuntimeError("a bug in a step")
+
+    def fail_once() -> None:
+        monkeypatch.undo()
+        raise broken
+
+    monkeypatch.setattr(s, "_free_finished", fail_once)
+    lost = [s.submit(list(b"abc"), max_tokens=3, temperature=0.0) for _ in range(3)]  # two running, one waiting
+    with s:
+        for h in lost:
+            with pytest.raises(RuntimeError, match="a bug in a step"):
+                h.result(timeout=60)
+        assert {h.finish_reason for h in lost} == {"error"}
+        after = s.submit(list(b"abc"), max_tokens=3, temperature=0.0).result(timeout=60)
+    assert after.tolist() == _alone(m, list(b"abc"), dict(max_tokens=3, temperature=0.0))
+    assert s.stats()["failed"] == 3 and s.stats()["running"] == 0

@@ -146,7 +146,8 @@ class SlotScheduler:
 
     def stop(self, timeout: float | None = None, drain: bool = True) -> None:
         """Stop accepting requests and end the loop. drain: finish every submitted request first (after
-        `timeout` seconds, abort what is left); otherwise abort them all at once. Joins the engine thread."""
+        `timeout` seconds, abort what is left); otherwise abort them all at once. Joins the engine thread
+        (a scheduler never started drains by stepping in the calling thread)."""
         with self._cond:
             self._stopping = True
             self._drain = drain
@@ -197,7 +198,26 @@ class SlotScheduler:
                     self._cond.wait()
                 if self._stopping and (not self._drain or not self._has_work()):
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as exc:  # never leave callers waiting on a dead thread
+                self._fail_all(exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        with self._cond:
+            waiting, self._waiting = list(self._waiting), deque()
+            self._prefilling = None
+        for req in waiting:
+            if req.handle._finish("error", exc):
+                with self._cond:
+                    self._counts["failed"] += 1
+        for b, held in enumerate(self._rows):
+            if held is not None:
+                self._fail(held, exc)
+                with self._cond:
+                    self._rows[b] = None
+        if self.slots is not None:
+            self.slots.truncate(0)
 
     def step(self) -> None:
         """One scheduler step. Called by the engine thread; call it yourself only without start()."""
@@ -224,19 +244,19 @@ class SlotScheduler:
 
     def _admit(self) -> Request | None:
         """The next waiting request, if a slot is free: it starts prefilling (returned)."""
-        with self._cond:
-            if not self._waiting or None not in self._rows:
-                return None
-            req = self._waiting.popleft()
-            req.slot = self._rows.index(None)
-            self._rows[req.slot] = req  # reserved: the slot's row is written when the prefill ends
-            self._prefilling = req
-        begin(req.row)
-        if req.row.done:  # max_tokens 0, or a grammar that accepts nothing
+        while True:
+            with self._cond:
+                if not self._waiting or None not in self._rows:
+                    return None
+                req = self._waiting.popleft()
+                req.slot = self._rows.index(None)
+                self._rows[req.slot] = req  # reserved: the slot's row is written when the prefill ends
+                self._prefilling = req
+            begin(req.row)
+            if not req.row.done:  # done at once: max_tokens 0, or a grammar that accepts nothing
+                self._start_from_pool(req)
+                return req
             self._prefilling = None
-            return self._admit()
-        self._start_from_pool(req)
-        return req
 
     def _start_from_pool(self, req: Request) -> None:
         hooks, staging = self.prefix, self.staging
