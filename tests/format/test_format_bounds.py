@@ -178,3 +178,9 @@ def tiny_path(tmp_path: Path, cfg, weights) -> Path:
     path = tmp_path / "short.tinyloop"
     write_model(path, cfg, weights, bits=16, progress=False)
     return path
+
+
+def test_a_1_1_file_without_config_checksum_is_refused(copy_of: Callable[[str], Path]) -> None:
+    path = copy_of("4")
+    edit_header(path, lambda d: d["__metadata__"].pop("config_crc32"))
+    refused(path, "metadata", "'config_crc32'", "format 1.1")

@@ -12,6 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tinyloop.config import ArchConfig
+from tinyloop.format.atomic import atomic_output
 from tinyloop.layout import model_specs
 
 WEIGHTS_STEM = "weights_fp16"
@@ -39,10 +40,8 @@ def save_weight_shards(out_dir: Path, cfg: ArchConfig, tensors: Mapping[str, tor
     paths = []
     for name, shard in zip(names, shards, strict=True):
         path = out_dir / name
-        tmp = out_dir / f".{name}.tmp"
-        save_file(shard, str(tmp), metadata=meta)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        with atomic_output(path) as tmp:
+            save_file(shard, str(tmp), metadata=meta)
         paths.append(path)
     index = out_dir / f"{WEIGHTS_STEM}.index.json"
     if len(shards) > 1:
