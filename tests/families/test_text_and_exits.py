@@ -41,6 +41,11 @@ def test_tokenizer_metadata_is_embedded_and_validated(family_files) -> None:
             parse_tokenizer_meta(json.dumps({**bad, key: value}), 512)
     with pytest.raises(ValueError, match="unknown"):
         parse_tokenizer_meta(json.dumps({**bad, "extra": 1}), 512)
+    text = json.dumps(bad)
+    inner = text.replace('"tokenizer_json": {', '"tokenizer_json": {"version": "0", ', 1)  # repeats "version" inside
+    for dup in (text[:-1] + ', "bos_id": 3}', inner):
+        with pytest.raises(ValueError, match="duplicate key"):
+            parse_tokenizer_meta(dup, 512)
 
 
 def test_header_refuses_a_bad_tokenizer(tmp_path: Path) -> None:

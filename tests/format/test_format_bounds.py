@@ -184,3 +184,17 @@ def test_a_1_1_file_without_config_checksum_is_refused(copy_of: Callable[[str], 
     path = copy_of("4")
     edit_header(path, lambda d: d["__metadata__"].pop("config_crc32"))
     refused(path, "metadata", "'config_crc32'", "format 1.1")
+
+
+def test_position_tables_that_do_not_fit_are_out_of_memory(
+    tmp_path: Path, tiny_cfg, tiny_weights, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tinyloop.api.model import Model
+    from tinyloop.cache import memory
+    from tinyloop.errors import OutOfMemoryError
+
+    path = tiny_path(tmp_path, tiny_cfg, tiny_weights)
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 100_000)  # 1024 positions need ~200 kB
+    with pytest.raises(OutOfMemoryError, match="out of memory"):
+        Model(path, max_seq_len=1024, device="cpu")
+    Model(path, max_seq_len=64, device="cpu").close()  # ~12 kB of tables: fits

@@ -65,10 +65,19 @@ def _is_id(value: object, vocab_size: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
 
 
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
 def parse_tokenizer_meta(text: str, vocab_size: int) -> TokenizerMeta:
     """Parse and check the metadata string; raise TokenizerMetaError naming the first problem."""
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, object_pairs_hook=_unique_keys)
     except (ValueError, RecursionError) as exc:
         raise TokenizerMetaError(f"not valid JSON ({exc})") from None
     if not isinstance(obj, dict):

@@ -11,6 +11,7 @@ import torch
 
 from tinyloop.cache.base import StepCache
 from tinyloop.cache.kv import KVCache
+from tinyloop.cache.memory import check_host_memory
 from tinyloop.config import ArchConfig
 from tinyloop.errors import ModelClosedError
 from tinyloop.kernels.policy import KernelPolicy
@@ -76,6 +77,9 @@ class Engine:
         if not 1 <= positions <= self.cfg.max_position:
             limit = self.cfg.max_position
             raise ValueError(f"positions must be in [1, {limit}] (the model's max_position), got {positions}")
+        # Built on the host: float64 angles, then float32 tables (and the noise rows of a random start).
+        noise_row = self.cfg.d_model * 8 if self.cfg.state_start == "random" else 0
+        check_host_memory(torch.device("cpu"), positions * (self.cfg.head_dim // 2 * 24 + noise_row))
         with self.lock:
             self.max_positions = positions
             self.cos, self.sin = rope_tables(self.cfg, positions, self.device)
