@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tinyloop.api.scheduler import Scheduler
 from tinyloop.errors import QueueFullError
@@ -44,41 +44,45 @@ class RequestStats:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
-class ServedRequest:
+class ServedRequest(Protocol):
     """A submitted request as the server sees it (either engine)."""
 
-    stats: RequestStats
-    finish_reason: str | None
-    error: BaseException | None
+    @property
+    def stats(self) -> RequestStats: ...
 
     @property
-    def done(self) -> bool:
-        raise NotImplementedError
+    def finish_reason(self) -> str | None: ...
+
+    @property
+    def error(self) -> BaseException | None: ...
+
+    @property
+    def done(self) -> bool: ...
 
     def tokens(self) -> Iterator[int]:
         """New token ids as they come (blocking); ends when the request finishes, fails or is aborted."""
-        raise NotImplementedError
+        ...
 
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the request has finished (True) or `timeout` seconds passed (False)."""
-        raise NotImplementedError
+        ...
 
 
-class ScheduledRequest(ServedRequest):
+class ScheduledRequest:
     def __init__(self, handle: RequestHandle) -> None:
         self.handle = handle
 
     @property
-    def stats(self) -> RequestStats:  # type: ignore[override]
+    def stats(self) -> RequestStats:
         s = self.handle.stats
         return RequestStats(s.prompt_tokens, s.generated_tokens, s.loops_per_token, 0, s.prefix_hit_tokens, s.logprobs)
 
     @property
-    def finish_reason(self) -> str | None:  # type: ignore[override]
+    def finish_reason(self) -> str | None:
         return self.handle.finish_reason
 
     @property
-    def error(self) -> BaseException | None:  # type: ignore[override]
+    def error(self) -> BaseException | None:
         return self.handle.error
 
     @property
@@ -101,15 +105,15 @@ class ScheduledRequest(ServedRequest):
         return True
 
 
-class ExitRuleRequest(ServedRequest):
+class ExitRuleRequest:
     """A request of the exit-rule engine: its tokens go through a queue from the engine thread."""
 
     _END = object()
 
     def __init__(self, stream: Iterator[int], family_stats: Any, loops: int, prompt_tokens: int) -> None:
         self.stats = RequestStats(prompt_tokens=prompt_tokens)
-        self.finish_reason = None
-        self.error = None
+        self.finish_reason: str | None = None
+        self.error: BaseException | None = None
         self._stream = stream
         self._family_stats = family_stats
         self._loops = loops
