@@ -42,7 +42,37 @@ def prompts(count: int) -> list[str]:
 
 
 def rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """The process's resident memory now (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+
+
+def engine_only(
+    model: tinyloop.Model, jobs: list[str], clients: int, max_tokens: int, args: argparse.Namespace
+) -> float:
+    """Tokens/s of the same jobs through tinyloop.Scheduler directly (no HTTP), `clients` threads at a time."""
+    pending = list(enumerate(jobs))
+    lock = threading.Lock()
+    tokens = [0]
+    with tinyloop.Scheduler(model, args.max_batch, args.max_seq_len, max_queue=len(jobs)) as scheduler:
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if not pending:
+                        return
+                    _, prompt = pending.pop()
+                out = scheduler.submit(model.encode(prompt), max_tokens, temperature=0).result()
+                with lock:
+                    tokens[0] += len(out)
+
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=worker) for _ in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return tokens[0] / (time.perf_counter() - t0)
 
 
 async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[str, float, float, int]:
@@ -93,6 +123,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--max-seq-len", type=int, default=256)
+    ap.add_argument("--baseline", action="store_true", help="also time the same jobs through the Scheduler directly")
     ap.add_argument("--limit-s", type=float, default=600.0, help="abort the run after this many seconds")
     args = ap.parse_args()
     if not (0 < args.clients <= 256 and 0 < args.requests <= 10_000 and 0 < args.unique <= args.requests):
@@ -122,9 +153,11 @@ def main() -> int:
         wall = time.perf_counter() - t0
         metrics = httpx.get(f"{url}/metrics").text
         counts = app.state.tinyloop.engine.counts()
+        rss_after = rss_mib()
     finally:
         server.should_exit = True
         thread.join(30)
+    baseline = engine_only(model, jobs, args.clients, args.max_tokens, args) if args.baseline else None
     wrong = [p for p, text, *_ in results if text != reference[p]]
     ttft = np.array([r[2] for r in results]) * 1000
     latency = np.array([r[3] for r in results]) * 1000
@@ -133,12 +166,14 @@ def main() -> int:
         "model": args.model, "clients": args.clients, "requests": args.requests, "unique_prompts": args.unique,
         "max_tokens": args.max_tokens, "max_batch": args.max_batch, "wall_s": round(wall, 2),
         "requests_per_s": round(args.requests / wall, 2), "tokens_per_s": round(tokens / wall, 1),
-        "ttft_ms_p50": round(float(np.percentile(ttft, 50)), 1), "ttft_ms_p99": round(float(np.percentile(ttft, 99)), 1),
+        "ttft_ms_p50": round(float(np.percentile(ttft, 50)), 1),
+        "ttft_ms_p99": round(float(np.percentile(ttft, 99)), 1),
         "latency_ms_p50": round(float(np.percentile(latency, 50)), 1),
         "latency_ms_p99": round(float(np.percentile(latency, 99)), 1),
         "outputs_equal_to_alone": len(results) - len(wrong), "mismatched": len(wrong),
         "running_after": counts["running"], "waiting_after": counts["waiting"],
-        "rss_mib_after_warmup": round(rss_warm, 1), "rss_mib_after_run": round(rss_mib(), 1),
+        "engine_only_tokens_per_s": None if baseline is None else round(baseline, 1),
+        "rss_mib_after_warmup": round(rss_warm, 1), "rss_mib_after_run": round(rss_after, 1),
         "prefix_hit_tokens": counts.get("prefix_hit_tokens", 0),
         "machine": f"{platform.machine()} {platform.processor() or ''}".strip(), "torch_threads": _threads(),
     }  # fmt: skip

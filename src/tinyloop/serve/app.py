@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import anyio
 import numpy as np
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -194,22 +195,31 @@ async def _serve(
     """Submit n choices per prompt, then answer with one JSON body or an SSE stream."""
     arrival = time.perf_counter()
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    requests = []
-    try:
-        for prompt in prompts:
-            room = state.engine.max_seq_len - int(prompt.size)
-            max_tokens = requested if requested is not None else (default_max or room)
-            for j in range(req.n):
-                options = engine_options(req, max_tokens, logprobs)
-                if req.seed is not None:
-                    options["seed"] = req.seed + j  # choices differ, and repeat for the same seed
-                if state.codec.stop_ids:
-                    options["stop_tokens"] = list(state.codec.stop_ids)
+    base = engine_options(req, 0, logprobs)  # the grammar compiled once for every choice
+    if state.codec.stop_ids:
+        base["stop_tokens"] = list(state.codec.stop_ids)
+    jobs = []
+    for prompt in prompts:
+        room = state.engine.max_seq_len - int(prompt.size)
+        max_tokens = requested if requested is not None else (default_max or room)
+        for j in range(req.n):
+            options = dict(base, max_tokens=max_tokens)
+            if req.seed is not None:
+                options["seed"] = req.seed + j  # choices differ, and repeat for the same seed
+            jobs.append((prompt, options))
+
+    def submit_all() -> list[Any]:  # on a worker thread: building a grammar's token index takes a while
+        requests: list[Any] = []
+        try:
+            for prompt, options in jobs:
                 requests.append(runner.submit(prompt, options))
-    except BaseException:
-        for r in requests:
-            state.engine.abort(r)
-        raise
+        except BaseException:
+            for r in requests:
+                state.engine.abort(r)
+            raise
+        return requests
+
+    requests = await anyio.to_thread.run_sync(submit_all)
     meta = {"id": f"{'chatcmpl' if kind != 'text_completion' else 'cmpl'}-{uuid.uuid4().hex}",
             "created": int(time.time()), "model": state.name}  # fmt: skip
     prompt_tokens = sum(int(p.size) for p in prompts)
