@@ -35,6 +35,10 @@ SLOW_TESTS = (
     "integrations/test_lm_eval.py::test_shipped_task_through_lm_evals_evaluator_repeats",
     "integrations/test_lm_eval.py::test_cli_sweep_writes_table_json_and_both_argument_orders",
     "integrations/test_lm_eval.py::test_greedy_generate_until_equals_generate_with_the_same_stops",
+    "serve/test_serve_lifecycle.py::test_sigterm_ends_in_flight_requests_and_exits_0",
+    "serve/test_serve_openai_api.py::test_streamed_completion_equals_the_whole_one_sync_and_async",
+    "serve/test_serve_openai_api.py::test_same_seed_same_text_and_n_choices",
+    "serve/test_serve_openai_api.py::test_chat_stream_role_first_content_usage_then_done",
 )
 
 
