@@ -148,3 +148,13 @@ def test_health_is_503_while_the_model_loads(tiny_model) -> None:
         assert early.status_code == 503 and "loading" in early.json()["error"]["message"]
         release.set()
         assert wait_for(lambda: httpx.get(f"{url}/health").status_code == 200)
+
+
+def test_a_client_that_gives_up_on_a_whole_response_frees_its_slot(base_url: str) -> None:
+    body = {"model": "tiny", "prompt": "b", "max_tokens": 300, "temperature": 0}
+    aborted = 'tinyloop_requests_finished_total{finish_reason="abort"}'
+    before = metric(base_url, aborted) if aborted in httpx.get(f"{base_url}/metrics").text else 0.0
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base_url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    assert wait_for(lambda: metric(base_url, "tinyloop_requests_running") == 0.0, timeout=10)
+    assert metric(base_url, aborted) == before + 1

@@ -7,6 +7,7 @@ incrementally while streaming. Chat prompts use the model's chat template; byte 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import threading
@@ -165,20 +166,20 @@ def create_app(
             raise APIError(400, str(exc), param="tokens") from None
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(req: CompletionRequest) -> Response:
+    async def completions(req: CompletionRequest, http: Request) -> Response:
         runner = checked(req)
         prompts = _completion_prompts(state, req.prompt)
         default = COMPLETION_DEFAULT_MAX_TOKENS
-        return await _serve(state, runner, req, prompts, "text_completion", default, req.logprobs)
+        return await _serve(state, runner, http, req, prompts, "text_completion", default, req.logprobs)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat(req: ChatRequest) -> Response:
+    async def chat(req: ChatRequest, http: Request) -> Response:
         runner = checked(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         prompt = _chat_ids(state, req.messages)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        return await _serve(state, runner, req, [prompt], "chat.completion", None, k)
+        return await _serve(state, runner, http, req, [prompt], "chat.completion", None, k)
 
     return app
 
@@ -186,6 +187,7 @@ def create_app(
 async def _serve(
     state: ServerState,
     runner: ChoiceRunner,
+    http: Request,
     req: SamplingRequest,
     prompts: list[np.ndarray],
     kind: str,
@@ -231,12 +233,17 @@ async def _serve(
     texts = ["" for _ in requests]
     records: list[list[Any]] = [[] for _ in requests]
     ends: dict[int, End] = {}
-    async for event in events:
-        if isinstance(event, Piece):
-            texts[event.index] += event.text
-            records[event.index].extend(zip(event.tokens, event.logprobs, strict=False))
-        else:
-            ends[event.index] = event
+
+    async def collect() -> None:
+        async for event in events:
+            if isinstance(event, Piece):
+                texts[event.index] += event.text
+                records[event.index].extend(zip(event.tokens, event.logprobs, strict=False))
+            else:
+                ends[event.index] = event
+
+    if not await _until_done_or_gone(collect(), http):
+        return Response(status_code=499)  # the client left; its requests were aborted (nobody reads this)
     choices = []
     for i, text in enumerate(texts):
         choice: dict[str, Any] = {"index": i, "finish_reason": ends[i].finish_reason}
@@ -301,6 +308,24 @@ async def _sse(
     except Exception as exc:  # mid-stream the status is sent already: the error goes as an event
         yield f"data: {json.dumps(error_body(500, f'{type(exc).__name__}: {exc}'))}\n\n"
     yield "data: [DONE]\n\n"
+
+
+async def _until_done_or_gone(work: Any, http: Request, poll_s: float = 0.25) -> bool:
+    """Run `work`; if the client disconnects first, cancel it (which aborts its requests) and return False."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                task.result()  # re-raises the work's error (an APIError becomes the response)
+                return True
+            if await http.is_disconnected():
+                return False
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 def _default_name(model: Any) -> str:
