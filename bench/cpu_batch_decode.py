@@ -2,7 +2,7 @@
 tokens/s of the built-in `tiny` at several batch sizes in one run, and (with --baseline-src) the B=1
 generate_stream decode of another checkout's code, timed alternately with this one in the same run.
 
-    python bench/cpu_batch_decode.py [--batches 1 2 4 8 16] [--repeat 5] [--baseline-src /tmp/base/src]
+    python bench/cpu_batch_decode.py [--batches 1 2 4 8 16] [--repeat 5] [--threads 1] [--baseline-src /tmp/base/src]
 
 Prompts: 64 seeded random printable bytes per row; 64 decode steps after the prefill (65 new tokens,
 the first from the prefill), loops 8, temperature 0. Decode time runs from every row's first token to the
@@ -84,8 +84,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--baseline-src", default=None, help="src/ of another checkout to compare B=1 decode against")
     ap.add_argument("--baseline-pairs", type=int, default=5, help="alternating baseline/current B=1 runs")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's own choice)")
     ap.add_argument("--out", default=None, help="also write the results as JSON here")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     model = tinyloop.Model("tiny", max_seq_len=args.prompt_len + args.steps + 1, device="cpu")
     rows = {b: prompts(b, args.prompt_len) for b in args.batches}

@@ -23,11 +23,13 @@ _EXPORTS = {
     "Scheduler": "tinyloop.api.scheduler",
     "RequestHandle": "tinyloop.runtime.requests",
     "QueueFullError": "tinyloop.errors",
+    "NonFiniteLogitsError": "tinyloop.errors",
+    "SamplingParams": "tinyloop.sampling",
 }
 
 __all__ = [
-    "ArchConfig", "Grammar", "Model", "PrefixCache", "PrefixPool", "QueueFullError", "RequestHandle",
-    "ResumeHandle", "Scheduler", "TinyLoopFormatError", "builtin_names", "load",
+    "ArchConfig", "Grammar", "Model", "NonFiniteLogitsError", "PrefixCache", "PrefixPool", "QueueFullError",
+    "RequestHandle", "ResumeHandle", "SamplingParams", "Scheduler", "TinyLoopFormatError", "builtin_names", "load",
 ]  # fmt: skip
 
 if TYPE_CHECKING:
@@ -37,9 +39,10 @@ if TYPE_CHECKING:
     from tinyloop.builtin import builtin_names
     from tinyloop.cache.pool import PrefixPool
     from tinyloop.config import ArchConfig
-    from tinyloop.errors import QueueFullError, TinyLoopFormatError
+    from tinyloop.errors import NonFiniteLogitsError, QueueFullError, TinyLoopFormatError
     from tinyloop.grammar import Grammar
     from tinyloop.runtime.requests import RequestHandle
+    from tinyloop.sampling import SamplingParams
 
 
 def __getattr__(name: str) -> Any:

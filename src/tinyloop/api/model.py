@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -165,22 +164,8 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin, Batch
         return np.fromiter(stream, dtype=np.int32)
 
 
-def load(
-    path: str | os.PathLike[str],
-    max_seq_len: int | None = None,
-    device: str | torch.device | None = None,
-    *,
-    dtype: torch.dtype | str | None = None,
-    kv_mode: str | None = None,
-    cache_window: int | None = None,
-    cross_iter_round: bool | None = None,
-    cross_iter_seed: int = 0,
-) -> Model:
-    """Alias of the Model constructor (same arguments)."""
-    return Model(
-        path, max_seq_len, device, dtype=dtype, kv_mode=kv_mode, cache_window=cache_window,
-        cross_iter_round=cross_iter_round, cross_iter_seed=cross_iter_seed,
-    )  # fmt: skip
+# The reference's `load`: the Model constructor under another name (same arguments).
+load = Model
 
 
 __all__ = ["Model", "load"]
