@@ -122,5 +122,8 @@ def test_arguments_per_row_or_shared(models) -> None:
     shared = m.generate_batch([[5, 6], [7]], max_tokens=3, stop_tokens=[256 - 1], temperature=0)
     assert [s.tolist() for s in shared] == [_alone(m, p, max_tokens=3, stop_tokens=[255], temperature=0)
                                             for p in ([5, 6], [7])]  # fmt: skip
+    # a row that may produce nothing beside one that does (its prompt is the longest)
+    mixed = m.generate_batch([[32], [7, 8, 9]], max_tokens=[2, 0], temperature=0)
+    assert [x.tolist() for x in mixed] == [_alone(m, [32], max_tokens=2, temperature=0), []]
     arr = m.generate_batch(np.array([[5, 6], [7, 8]], dtype=np.int32), max_tokens=2, temperature=0)
     assert [a.tolist() for a in arr] == [_alone(m, p, max_tokens=2, temperature=0) for p in ([5, 6], [7, 8])]

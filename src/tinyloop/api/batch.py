@@ -78,12 +78,20 @@ class BatchMixin(ModelBase):
     ) -> Iterator[tuple[int, int]]:
         engine = self._engine
         filters = [StopStringFilter(vocab, p.stop) if p.stop and vocab is not None else None for p in params]
-        # One slot per row, as long as the longest row needs (a finished row rewrites one position past its end).
-        max_seq = max(int(r.prompt.numel()) + r.max_tokens for r in rows)
-        loops = max(r.loops for r in rows)
-        cache = make_cache(self.kv, self.header.config, len(rows), max_seq, loops, engine.device, engine.dtype)
+        # Rows that may produce nothing take no cache row; the others end at most max_tokens - 1 positions past
+        # their prompt, where a finished one keeps rewriting its next position (nothing reads it).
+        for row in rows:
+            if row.max_tokens == 0:
+                row.finish("max_tokens")
+        live = [b for b, row in enumerate(rows) if not row.done]
+        if not live:
+            return
+        max_seq = max(int(rows[b].prompt.numel()) + rows[b].max_tokens for b in live)
+        loops = max(rows[b].loops for b in live)
+        cache = make_cache(self.kv, self.header.config, len(live), max_seq, loops, engine.device, engine.dtype)
         try:
-            for b, token in decode_rows(engine, cache, rows):
+            for i, token in decode_rows(engine, cache, [rows[b] for b in live]):
+                b = live[i]
                 flt = filters[b]
                 if flt is None:
                     yield b, token
