@@ -19,6 +19,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "benchmark": ("tinyloop.cli.benchmark_cmd", "run_benchmark"),
     "serve": ("tinyloop.cli.serve_cmd", "run_serve"),
     "eval": ("tinyloop.cli.eval_cmd", "run_eval"),
+    "batch": ("tinyloop.cli.batch_cmd", "run_batch"),
 }
 LATER: set[str] = set()
 
@@ -33,6 +34,8 @@ commands:
   lens       the top prediction after each loop at every position (--plot FILE.png for a heatmap)
   benchmark  latency and tokens/s of forward scoring (--decode N: cached generation) on synthetic tokens
   serve      an OpenAI-compatible HTTP server (needs the 'serve' extra: pip install 'loopformer[serve]')
+  batch      a task (generate, score, lens, uncertainty) over every row of a JSONL or Parquet file into
+             Parquet shards, resumable (--resume); --ray runs it over a Ray cluster (needs the 'ray' extra)
   eval       lm-evaluation-harness tasks from local files at one depth or a sweep (--loops 1,2,4,8; needs the
              'eval' extra); `tinyloop eval <model> ...` is read the same way
 run `tinyloop <model> <command> --help` for a command's options."""
