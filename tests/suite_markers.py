@@ -39,6 +39,9 @@ SLOW_TESTS = (
     "serve/test_serve_openai_api.py::test_streamed_completion_equals_the_whole_one_sync_and_async",
     "serve/test_serve_openai_api.py::test_same_seed_same_text_and_n_choices",
     "serve/test_serve_openai_api.py::test_chat_stream_role_first_content_usage_then_done",
+    "jobs/test_batch_job.py::test_200_mixed_rows_equal_generate_row_by_row_and_bad_rows_go_to_the_errors_file",
+    "jobs/test_batch_job.py::test_scoring_tasks_equal_the_introspection_api",
+    "jobs/test_batch_job.py::test_interrupted_job_resumes_to_the_same_output",
 )
 
 

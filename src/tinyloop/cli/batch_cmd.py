@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 
 from tinyloop.cli.args import (
     CliError,
@@ -59,6 +60,10 @@ def run_batch(path: str, argv: list[str]) -> int:
     if not args.ray and (args.ray_address is not None or args.replicas != 1 or args.num_gpus):
         raise CliError("--ray-address, --replicas and --num-gpus need --ray")
     from tinyloop.jobs import JobSettings
+    from tinyloop.jobs.local import MANIFEST
+
+    if not args.resume and (Path(args.output) / MANIFEST).exists():
+        raise CliError(f"{args.output}: already holds a job; pass --resume to finish it, or choose a new folder")
 
     settings = JobSettings(task=args.task, max_tokens=args.max_tokens, loops=args.loops,
                            temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,

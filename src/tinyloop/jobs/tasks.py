@@ -111,6 +111,7 @@ class TaskRunner:
             raise RowError(str(record["_bad"]))
         tokens = self._prompt_tokens(record)
         max_tokens = _integer(record, "max_tokens", s.max_tokens, minimum=0)
+        assert max_tokens is not None
         loops = checked_loops(_integer(record, "loops", s.loops, minimum=1), self.model.header.config)
         temperature = _number(record, "temperature", s.temperature)
         seed = _integer(record, "seed", None, minimum=0)
@@ -160,8 +161,7 @@ class TaskRunner:
         handles = []
         for r in rows:
             try:
-                handle = scheduler.submit(r.tokens, max_tokens=r.max_tokens, loops=r.loops,
-                                          temperature=r.temperature, top_k=s.top_k, top_p=s.top_p, seed=r.seed)  # fmt: skip
+                handle = scheduler.submit(r.tokens, r.max_tokens, r.loops, r.temperature, s.top_k, s.top_p, r.seed)
             except (ValueError, TypeError) as exc:
                 errors.append({"row": r.row, "id": r.id, "reason": str(exc)})
                 continue
@@ -192,7 +192,7 @@ class TaskRunner:
         groups: dict[tuple[int, int], list[RowInput]] = defaultdict(list)
         for r in rows:
             groups[(r.tokens.size, r.loops)].append(r)
-        results = []
+        results: list[dict] = []
         for (_, loops), group in groups.items():
             batch = np.stack([r.tokens for r in group])  # [B, T]: equal lengths score together
             try:
