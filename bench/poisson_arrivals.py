@@ -8,7 +8,7 @@ ratio, and TTFT p50/p99 (Scheduler: from submission; static: from the start of t
 also given per second of this process's CPU time, which other jobs on a shared machine do not inflate.
 
     PYTHONPATH=src python bench/poisson_arrivals.py                        # GPU defaults: 256 requests
-    PYTHONPATH=src python bench/poisson_arrivals.py --requests 48 --prompt 32 128 --output 16 64 --rate 4
+    PYTHONPATH=src python bench/poisson_arrivals.py --requests 48 --prompt 32 128 --output 16 64 --rate 4 --threads 1
 """
 
 from __future__ import annotations
@@ -97,14 +97,18 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--chunk", type=int, default=256, help="prefill_chunk_tokens")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's); on a shared CPU give 1")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = tinyloop.Model(args.model, max_seq_len=args.prompt[1] + args.output[1])
     prompts, outputs, arrivals = _requests(args)
     sched = run_scheduler(model, prompts, outputs, arrivals, args)
     static = run_static(model, prompts, outputs, max(1, round(sched["mean_batch"])))
     result = {
         "model": args.model, "device": str(model.device), "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(), "args": vars(args),
         "scheduler": sched, "static": static, "throughput_ratio": sched["tokens_per_s"] / static["tokens_per_s"],
         "cpu_throughput_ratio": sched["tokens_per_cpu_s"] / static["tokens_per_cpu_s"],
