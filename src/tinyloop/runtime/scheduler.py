@@ -253,10 +253,10 @@ class SlotScheduler:
                 self._rows[req.slot] = req  # reserved: the slot's row is written when the prefill ends
                 self._prefilling = req
             begin(req.row)
-            if not req.row.done:  # done at once: max_tokens 0, or a grammar that accepts nothing
+            if not req.row.done:
                 self._start_from_pool(req)
                 return req
-            self._prefilling = None
+            self._prefilling = None  # done at once (max_tokens 0, a grammar that accepts nothing): freed below
 
     def _start_from_pool(self, req: Request) -> None:
         hooks, staging = self.prefix, self.staging
