@@ -34,5 +34,6 @@ def test_marker_lists_name_existing_tests() -> None:
         assert (TESTS / module).is_file(), module
     for entry in SLOW_TESTS:
         module, name = entry.split("::")
+        assert (TESTS / module).is_file(), entry
         tree = ast.parse((TESTS / module).read_text())
         assert name in {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}, entry
