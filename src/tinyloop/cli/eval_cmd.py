@@ -49,6 +49,8 @@ def run_eval(path: str, argv: list[str]) -> int:
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not tasks:
         raise CliError("--tasks must name at least one task")
+    if args.exit_tol is not None and args.exit_criterion is None:
+        raise CliError("--exit-tol sets the threshold of --exit-criterion, which was not given")
     if args.plot_dir is not None and not Path(args.plot_dir).is_dir():
         raise CliError(f"--plot-dir {args.plot_dir!r} is not a directory")
     if args.plot_dir is not None:

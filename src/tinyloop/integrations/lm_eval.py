@@ -36,10 +36,6 @@ class DepthTotals:
     depth_sum: int = 0
     tokens: int = 0
 
-    @property
-    def mean(self) -> float:
-        return self.depth_sum / self.tokens if self.tokens else float("nan")
-
 
 @dataclass
 class Scorer:
