@@ -149,6 +149,8 @@ def test_cli_errors_are_one_line(capsys, monkeypatch) -> None:
     assert len(err) == 1 and "unknown task" in err[0] and "python_snippets" in err[0]
     assert main(["tiny", "eval", "--tasks", "python_snippets", "--loops", "0,2"]) == 2
     assert "--loops" in capsys.readouterr().err
+    assert main(["tiny", "eval", "--tasks", "python_snippets", "--exit-threshold", "0.5"]) == 2
+    assert "needs a model with an exit gate" in capsys.readouterr().err
     for name in ("tinyloop.integrations.sweep", "tinyloop.integrations.lm_eval"):
         monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if lm-eval were not installed

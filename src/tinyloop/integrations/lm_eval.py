@@ -117,6 +117,8 @@ class TinyLoopLM(TemplateLM):
             criterion, tol = _exit_rule(exit_threshold, exit_criterion, exit_tol)
             if criterion is not None:
                 ExitCriterion(criterion, tol, min_loops)  # refuse a bad rule before any request runs
+            if criterion == "gate" and not model.header.config.exit_gate:
+                raise ValueError("exit_threshold (the 'gate' criterion) needs a model with an exit gate (Ouro)")
             scorer = Scorer(model, (depth,), _batch_size(batch_size), criterion, tol, min_loops)
         else:
             depth = checked_loops(loops, scorer.model.header.config)
