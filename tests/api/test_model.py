@@ -131,7 +131,8 @@ def test_config_and_memory_report(tiny_files) -> None:
 def test_out_of_memory_is_a_runtime_error_starting_with_out_of_memory(tiny_files, monkeypatch) -> None:
     import tinyloop.cache.memory as memory
 
-    monkeypatch.setattr(memory, "available_host_bytes", lambda: 1000)
+    # Room for the 512 positions' tables (~100 kB), not for the KV cache (~1.3 MB).
+    monkeypatch.setattr(memory, "available_host_bytes", lambda: 200_000)
     with tinyloop.Model(tiny_files["f16"], max_seq_len=512) as m:
         with pytest.raises(RuntimeError, match="^out of memory"):
             m.generate(PROMPT, 4)
