@@ -52,6 +52,8 @@ SLOW_TESTS = (
     "jobs/test_batch_job.py::test_200_mixed_rows_equal_generate_row_by_row_and_bad_rows_go_to_the_errors_file",
     "jobs/test_batch_job.py::test_scoring_tasks_equal_the_introspection_api",
     "jobs/test_batch_job.py::test_interrupted_job_resumes_to_the_same_output",
+    "integrations/test_ray_data.py::test_ray_job_equals_the_local_job",
+    "integrations/test_ray_data.py::test_predictor_in_map_batches_on_a_users_dataset",
 )
 
 

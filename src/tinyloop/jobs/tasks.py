@@ -128,9 +128,9 @@ class TaskRunner:
 
     def _prompt_tokens(self, record: Mapping[str, Any]) -> np.ndarray:
         prompt, tokens = record.get("prompt"), record.get("tokens")
-        if _missing(prompt) and _missing(tokens):
+        if is_missing(prompt) and is_missing(tokens):
             raise RowError("missing prompt: the row needs a 'prompt' (text) or 'tokens' (token ids)")
-        if not _missing(prompt):
+        if not is_missing(prompt):
             if isinstance(prompt, bytes) and not self.model.has_tokenizer:
                 ids = np.frombuffer(prompt, dtype=np.uint8).astype(np.int32)
             elif isinstance(prompt, str):
@@ -232,18 +232,19 @@ def _entropy(logits: np.ndarray) -> np.ndarray:
     return (-(np.exp(logp) * logp).sum(-1)).astype(np.float32)
 
 
-def _missing(value: Any) -> bool:
+def is_missing(value: Any) -> bool:
+    """None, or the NaN that pandas and numpy batches put in an empty cell."""
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _row_id(record: Mapping[str, Any]) -> str | None:
     value = record.get("id")
-    return None if _missing(value) else str(value)
+    return None if is_missing(value) else str(value)
 
 
 def _integer(record: Mapping[str, Any], name: str, default: int | None, minimum: int) -> int | None:
     value = record.get(name)
-    if _missing(value):
+    if is_missing(value):
         return default
     if isinstance(value, float) and value.is_integer():
         value = int(value)  # JSON readers and pandas turn integer columns with gaps into floats
@@ -254,7 +255,7 @@ def _integer(record: Mapping[str, Any], name: str, default: int | None, minimum:
 
 def _number(record: Mapping[str, Any], name: str, default: float) -> float:
     value = record.get(name)
-    if _missing(value):
+    if is_missing(value):
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or value < 0:
         raise RowError(f"{name} must be a number >= 0, got {value!r}")
