@@ -164,13 +164,24 @@ def decode_step(engine: Engine, cache: StepCache | None, rows: Sequence[Row | No
     depth = [
         row.loops_at(len(row.tokens)) if row is not None and ok else loops for row, ok in zip(rows, live, strict=True)
     ]
+    logits, ran = _step_rows(engine, cache, rows, live, loops, depth)
+    for b, row in enumerate(rows):
+        if row is not None and live[b]:
+            row.step_depths.append(ran[b])
+    return logits
+
+
+def _step_rows(
+    engine: Engine, cache: StepCache | None, rows: Sequence[Row | None], live: list[bool], loops: int, depth: list[int]
+) -> tuple[torch.Tensor, Sequence[int]]:
+    """decode_step's forward: (logits [B, V], iterations each row ran)."""
     depths = _depth_tensor(depth)
     if cache is None:
         sequences = [row.prompt.tolist() + row.tokens if row is not None else [0] for row in rows]
         tokens, lengths = _padded(sequences)
         out = engine.step(tokens, None, loops, valid=lengths, last_only=True, depth=depths)
         assert out.logits is not None
-        return out.logits[:, -1]
+        return out.logits[:, -1], depth
     feed = [row.tokens[-1] if row is not None and row.tokens else 0 for row in rows]
     before = cache.lengths.clone()
     exits = [row.exit if row is not None and ok else None for row, ok in zip(rows, live, strict=True)]
@@ -188,7 +199,4 @@ def decode_step(engine: Engine, cache: StepCache | None, rows: Sequence[Row | No
     finished = ~torch.tensor(live)
     if bool(finished.any()):
         cache.lengths = torch.where(finished, before, cache.lengths)
-    for b, row in enumerate(rows):
-        if row is not None and live[b]:
-            row.step_depths.append(ran[b])
-    return logits
+    return logits, ran

@@ -89,7 +89,7 @@ class SlotScheduler:
         self._closed = False
         self._counts = dict.fromkeys(
             ("prompt_tokens", "generated_tokens", "prefix_hit_requests", "prefix_hit_tokens", "finished",
-             "aborted", "failed", "decode_steps", "decode_rows"), 0,
+             "aborted", "failed", "decode_steps", "decode_rows", "decode_iterations"), 0,
         )  # fmt: skip
 
     # ---- caller side (any thread) -------------------------------------------------------------
@@ -129,7 +129,8 @@ class SlotScheduler:
     def stats(self) -> dict[str, int]:
         """running (requests in slots or prefilling), waiting, and totals since creation: prompt and
         generated tokens, prefix-pool hits (requests / tokens), finished, aborted, failed, decode steps
-        and the rows they decoded (their ratio is the mean batch size)."""
+        and the rows they decoded (their ratio is the mean batch size), and the loop iterations those steps
+        ran (each runs until its deepest row is done: rows that exit early ride along)."""
         with self._cond:
             running = sum(r is not None for r in self._rows) + (self._prefilling is not None)
             return {"running": running, "waiting": len(self._waiting), **self._counts}
@@ -359,6 +360,7 @@ class SlotScheduler:
         with self._cond:
             self._counts["decode_steps"] += 1
             self._counts["decode_rows"] += len(live)
+            self._counts["decode_iterations"] += max(rows[b].step_depths[-1] for b in live)  # type: ignore[union-attr]
         for b, req in enumerate(self._rows[:n]):
             if req is None or req.row.done or rows[b] is None:
                 continue
