@@ -59,8 +59,8 @@ def test_openai_client_raises_its_typed_errors(base_url: str) -> None:
 
 
 def test_an_error_during_a_stream_is_an_event(base_url: str) -> None:
-    # tiny has no exit gate: the engine refuses the 'gate' criterion when the request starts
-    body = {"model": "tiny", "prompt": "a", "max_tokens": 3, "stream": True, "exit_criterion": "gate"}
+    # tiny has no exit gate: Ouro's exit rule is refused when the request starts, after the stream has begun
+    body = {"model": "tiny", "prompt": "a", "max_tokens": 3, "stream": True, "exit_threshold": 0.5}
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
@@ -69,6 +69,8 @@ def test_an_error_during_a_stream_is_an_event(base_url: str) -> None:
     assert error["type"] == "invalid_request_error" and "gate" in error["message"]
     whole = httpx.post(f"{base_url}/v1/completions", json=dict(body, stream=False), timeout=60)
     assert "gate" in assert_error(whole, 400, "invalid_request_error")
+    gate = dict(body, stream=False, exit_threshold=None, exit_criterion="gate")  # refused at submission
+    assert "gate" in assert_error(httpx.post(f"{base_url}/v1/completions", json=gate), 400, "invalid_request_error")
 
 
 def test_wrong_api_key_is_401_and_a_full_queue_503(tiny_model) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import httpx
 import jsonschema
@@ -138,7 +139,7 @@ def test_models_health_tokenize_detokenize(client: openai.OpenAI, base_url: str)
     assert back == {"prompt": "héllo"}
 
 
-def test_exit_criterion_in_extra_body_reports_its_depth(client: openai.OpenAI, tiny_model) -> None:
+def test_exit_criterion_in_extra_body_reports_its_depth(client: openai.OpenAI, tiny_model, base_url: str) -> None:
     extra = {"loops": 8, "exit_criterion": "kl", "exit_tol": 1e9}  # any KL passes: each token stops at min_loops
     r = client.completions.create(model="tiny", prompt="The loop ", max_tokens=4, temperature=0, extra_body=extra)
     ids = np.frombuffer(b"The loop ", dtype=np.uint8).astype(np.int32)
@@ -147,3 +148,5 @@ def test_exit_criterion_in_extra_body_reports_its_depth(client: openai.OpenAI, t
     depths = tiny_model.last_family_stats.exit_depths
     assert r.usage is not None and r.usage.model_extra["loops_per_token"] == pytest.approx(sum(depths) / len(depths))
     assert r.usage.model_extra["loops_per_token"] < 8
+    rate = re.search(r"^tinyloop_early_exit_rate (\S+)$", httpx.get(f"{base_url}/metrics").text, re.MULTILINE)
+    assert rate is not None and float(rate.group(1)) > 0

@@ -1,11 +1,12 @@
 """The one place where the server talks to the engine: submit a request, read its tokens, abort it.
 
 `ServeEngine` sends each request to `tinyloop.Scheduler` (continuous batching: requests share batched
-decode steps and the prefix pool). A request with a family exit rule (exit_threshold, exit_criterion, ...)
-goes to `ExitRuleEngine` instead, which runs such requests one at a time on its own thread through
-`Model.generate_tokens_stream`, because the scheduler's batched step has no per-row exit yet; the model's
-step lock interleaves the two. Both hand back a `ServedRequest`: tokens as they come, the finish reason,
-the error, and the statistics the server reports.
+decode steps and the prefix pool; an exit criterion stops each row's iterations inside the step). A request
+with one of Ouro's exit rules (exit_threshold, exit_at_step, weighted_exit), which read the gate over all
+loops, goes to `ExitRuleEngine` instead: one at a time, on its own thread, through
+`Model.generate_tokens_stream`, because the scheduler does not apply those rules; the model's step lock
+interleaves the two. Both hand back a `ServedRequest`: tokens as they come, the finish reason, the error,
+and the statistics the server reports.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from tinyloop.errors import QueueFullError
 from tinyloop.runtime.requests import FINISH_REASONS, RequestHandle
 from tinyloop.runtime.stats import TokenLogprob
 
-# Request options that only the family exit path (Model.generate_tokens_stream) takes.
-EXIT_OPTIONS = ("exit_threshold", "exit_at_step", "weighted_exit", "exit_criterion", "exit_tol", "min_loops")
+# Request options that only the exit-rule path (Model.generate_tokens_stream) takes.
+EXIT_OPTIONS = ("exit_threshold", "exit_at_step", "weighted_exit")
 # Options that path cannot honour.
 NOT_WITH_EXIT = ("stop", "grammar", "logprobs", "l_warmup_tokens")
 
@@ -69,13 +70,17 @@ class ServedRequest(Protocol):
 
 
 class ScheduledRequest:
-    def __init__(self, handle: RequestHandle) -> None:
+    def __init__(self, handle: RequestHandle, loops: int, exits: bool) -> None:
         self.handle = handle
+        self._loops = loops
+        self._exits = exits  # an exit criterion: tokens that ran fewer loops exited early
 
     @property
     def stats(self) -> RequestStats:
         s = self.handle.stats
-        return RequestStats(s.prompt_tokens, s.generated_tokens, s.loops_per_token, 0, s.prefix_hit_tokens, s.logprobs)
+        early = sum(1 for d in s.token_loops if d < self._loops) if self._exits else 0
+        return RequestStats(s.prompt_tokens, s.generated_tokens, s.loops_per_token, early, s.prefix_hit_tokens,
+                            s.logprobs)  # fmt: skip
 
     @property
     def finish_reason(self) -> str | None:
@@ -192,7 +197,7 @@ class ExitRuleEngine:
     def submit(self, prompt: Any, options: dict[str, Any]) -> ExitRuleRequest:
         clash = [name for name in NOT_WITH_EXIT if options.get(name)]
         if clash:
-            used = ", ".join(n for n in EXIT_OPTIONS if options.get(n) is not None)
+            used = ", ".join(n for n in EXIT_OPTIONS if options.get(n) not in (None, False))
             raise ValueError(f"{', '.join(clash)} cannot be combined with the exit options ({used})")
         kwargs = {k: v for k, v in options.items() if v is not None and k not in NOT_WITH_EXIT}
         kwargs.pop("l_warmup_loops", None)
@@ -267,9 +272,11 @@ class ServeEngine:
         """Queue a request. options: Model.generate's keyword arguments (logprobs included), or with any of
         EXIT_OPTIONS set, Model.generate_tokens_stream's. ValueError / TypeError: invalid options;
         QueueFullError: too many waiting."""
-        if any(options.get(name) is not None for name in EXIT_OPTIONS):
+        if any(options.get(name) not in (None, False) for name in EXIT_OPTIONS):
             return self.exit_rules.submit(prompt, options)
-        return ScheduledRequest(self.scheduler.submit(prompt, **options))
+        loops = options.get("loops") or self.scheduler.model.config["default_loops"]
+        exits = options.get("exit_criterion") is not None
+        return ScheduledRequest(self.scheduler.submit(prompt, **options), loops, exits)
 
     def abort(self, request: ServedRequest) -> None:
         """End the request and free its slot now."""
