@@ -22,15 +22,16 @@ def serve(model: Any, sock: socket.socket, *, shutdown_grace_s: float = 10.0, **
     app = create_app(model, shutdown_grace_s=shutdown_grace_s, **options)
     config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=max(math.ceil(shutdown_grace_s), 1),
                             access_log=False)  # fmt: skip
-    # uvicorn handles the signals while it runs, then raises them again once it has shut down: what they
-    # then reach is this no-op, so a signalled server ends with exit status 0.
-    previous = {sig: signal.signal(sig, _shut_down) for sig in (signal.SIGTERM, signal.SIGINT)}
+    server = uvicorn.Server(config)
+
+    def shut_down(signum: int, frame: object) -> None:
+        server.should_exit = True
+
+    # uvicorn handles the signals while it runs and raises them again once it has shut down; around it this
+    # handler asks for the same shutdown (a signal before uvicorn took over) and keeps the exit status 0.
+    previous = {sig: signal.signal(sig, shut_down) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _shut_down(signum: int, frame: object) -> None:
-    """Nothing left to do: uvicorn has already shut the server down."""
