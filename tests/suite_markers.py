@@ -54,6 +54,7 @@ SLOW_TESTS = (
     "jobs/test_batch_job.py::test_interrupted_job_resumes_to_the_same_output",
     "integrations/test_ray_data.py::test_ray_job_equals_the_local_job",
     "integrations/test_ray_data.py::test_predictor_in_map_batches_on_a_users_dataset",
+    "integrations/test_ray_serve.py::test_ray_serve_answers_the_openai_client_like_the_single_server",
 )
 
 

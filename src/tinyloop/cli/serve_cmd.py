@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib.util
+import signal
 import socket
 import sys
+import threading
+from typing import Any
 
 from tinyloop.cli.args import (
     CliError,
@@ -46,6 +49,15 @@ def build_parser() -> Parser:
     p.add_argument("--shutdown-grace", type=non_negative_float, default=10.0, metavar="S",
                    help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are aborted "
                    "(default: 10)")  # fmt: skip
+    ray = p.add_argument_group("replicas on Ray Serve (the 'ray' extra)")
+    ray.add_argument("--ray", action="store_true", help="serve through Ray Serve: the same API from --replicas copies")
+    ray.add_argument("--ray-address", default=None, metavar="ADDR",
+                     help="the cluster to join (default: RAY_ADDRESS, else a local Ray instance)")  # fmt: skip
+    ray.add_argument("--replicas", type=positive_int, default=1,
+                     help="replicas (with --autoscale: the most; default: 1)")  # fmt: skip
+    ray.add_argument("--num-gpus", type=non_negative_float, default=0.0, help="GPUs per replica (default: 0)")
+    ray.add_argument("--autoscale", action="store_true",
+                     help="scale between 1 and --replicas on requests in flight per replica (target: --max-batch)")  # fmt: skip
     return p
 
 
@@ -57,6 +69,10 @@ def run_serve(path: str, argv: list[str]) -> int:
                        f"(missing: {', '.join(missing)})", code=1)  # fmt: skip
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in [0, 65535], got {args.port}")
+    if args.ray:
+        return _serve_on_ray(path, args)
+    if args.ray_address is not None or args.replicas != 1 or args.num_gpus or args.autoscale:
+        raise CliError("--ray-address, --replicas, --num-gpus and --autoscale need --ray")
     sock = _listening_socket(args.host, args.port)  # before loading: a taken port is one line, at once
     from tinyloop.api.model import Model
     from tinyloop.serve.server import serve
@@ -83,3 +99,38 @@ def _listening_socket(host: str, port: int) -> socket.socket:
         raise CliError(f"cannot listen on {host}:{port}: {exc.strerror or exc}", code=1) from None
     sock.set_inheritable(True)
     return sock
+
+
+def _serve_on_ray(path: str, args: Any) -> int:
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+        raise CliError("serve --ray needs the 'ray' extra: pip install 'loopformer[ray]'", code=1)
+    if args.port == 0:
+        raise CliError("serve --ray needs a fixed --port (Ray Serve's proxy binds it on every node)")
+    import ray
+    from ray import serve
+
+    from tinyloop.integrations.ray import serve_application
+
+    app = serve_application(
+        path, replicas=args.replicas, num_gpus=args.num_gpus, autoscale=args.autoscale,
+        model_options={"max_seq_len": args.max_seq_len, "device": args.device,
+                       "dtype": torch_dtype(args.dtype, args.device)},
+        served_model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
+        max_queue=args.max_queue, max_seq_len=args.max_seq_len, max_loops=args.max_loops,
+        shutdown_grace_s=args.shutdown_grace,
+    )  # fmt: skip
+    ray.init(address=args.ray_address, log_to_driver=False)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.run(app, name="tinyloop", route_prefix="/")
+        print(f"tinyloop serve: {args.replicas} replica(s) on Ray Serve at http://{args.host}:{args.port} (OpenAI API "
+              "under /v1; Ctrl-C stops them)", file=sys.stderr, flush=True)  # fmt: skip
+        stop.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        serve.shutdown()
+        ray.shutdown()
+    return 0
