@@ -57,7 +57,7 @@ def build_parser() -> Parser:
                      help="replicas (with --autoscale: the most; default: 1)")  # fmt: skip
     ray.add_argument("--num-gpus", type=non_negative_float, default=0.0, help="GPUs per replica (default: 0)")
     ray.add_argument("--autoscale", action="store_true",
-                     help="scale between 1 and --replicas on requests in flight per replica (target: --max-batch)")  # fmt: skip
+                     help="scale 1..--replicas on requests in flight per replica (target: --max-batch)")  # fmt: skip
     return p
 
 
