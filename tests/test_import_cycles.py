@@ -8,9 +8,7 @@ from __future__ import annotations
 import grimp
 
 # Cycles the engine redesign removes (issue 29 leaves them to it); delete an entry when its cycle goes.
-KNOWN_CYCLES = {
-    frozenset({"tinyloop.runtime.decode_path", "tinyloop.runtime.engine", "tinyloop.runtime.fused_decode"}),
-}
+KNOWN_CYCLES: set[frozenset[str]] = set()
 
 
 def import_cycles(package: str) -> set[frozenset[str]]:

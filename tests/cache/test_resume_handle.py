@@ -37,13 +37,13 @@ def test_resume_runs_only_the_missing_iterations(models, monkeypatch) -> None:
     m = models["16bit"]
     handle = m.build_resume_handle(PROMPT, loops=4)
     ran: list[int] = []
-    real = looped.loop_iteration
+    real = looped.iterate
 
     def spy(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         ran.append(args[-1])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(looped, "loop_iteration", spy)
+    monkeypatch.setattr(looped, "iterate", spy)
     m.resume_generate(handle, loops=8, max_tokens=1, temperature=0.0)
     assert ran == [4, 5, 6, 7]
 

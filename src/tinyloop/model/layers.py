@@ -1,4 +1,5 @@
-"""One transformer layer as plain functions: norms, RoPE, attention with a KV slot, MLP."""
+"""The pieces of a transformer layer as plain functions: norms, RoPE, attention with a KV slot (the layer
+itself, with its norm placement, is model/looped.py's `layer`)."""
 
 from __future__ import annotations
 
@@ -73,7 +74,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairing: s
     return out.to(x.dtype)
 
 
-def attention(x: torch.Tensor, w: LayerWeights, cfg: ArchConfig, ctx: StepContext, slot: int) -> torch.Tensor:
+def attend(x: torch.Tensor, w: LayerWeights, cfg: ArchConfig, ctx: StepContext, slot: int) -> torch.Tensor:
+    """Attention of the normalized rows x [B, T, d] through cache slot `slot`: the heads' outputs [B, T, q_dim]
+    before the output projection."""
     B, T, _ = x.shape
     qkv = linear(x, w.qkv)
     q, k, v = qkv.split((cfg.q_dim, cfg.kv_dim, cfg.kv_dim), dim=-1)
@@ -98,7 +101,7 @@ def attention(x: torch.Tensor, w: LayerWeights, cfg: ArchConfig, ctx: StepContex
         out = masked_attention(q, k_all, v_all, ctx.mask)
     else:
         out = sdpa(q, k_all, v_all, mask=ctx.mask, gqa=gqa)
-    return linear(out.transpose(1, 2).reshape(B, T, cfg.q_dim), w.out)
+    return out.transpose(1, 2).reshape(B, T, cfg.q_dim)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -116,31 +119,3 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(v.dtype).view(B, kvh, group * T, S)
     return (probs @ v).view(B, H, T, hd)
-
-
-def mlp(x: torch.Tensor, w: LayerWeights, cfg: ArchConfig) -> torch.Tensor:
-    if w.gate_up is not None:
-        gate, up = linear(x, w.gate_up).chunk(2, dim=-1)
-        return linear(F.silu(gate) * up, w.down)
-    assert w.up is not None
-    return linear(F.gelu(linear(x, w.up)), w.down)
-
-
-def layer(x: torch.Tensor, w: LayerWeights, cfg: ArchConfig, ctx: StepContext, slot: int) -> torch.Tensor:
-    """One transformer layer with the config's norm placement."""
-    a = attention(norm(x, w.attn_norm, cfg), w, cfg, ctx, slot)
-    if cfg.norm_placement == "pre":
-        x = x + a
-    elif cfg.norm_placement == "sandwich_out":
-        assert w.attn_post_norm is not None
-        x = x + norm(a, w.attn_post_norm, cfg)
-    else:
-        assert w.attn_post_norm is not None
-        x = norm(a + x, w.attn_post_norm, cfg)
-    m = mlp(norm(x, w.mlp_norm, cfg), w, cfg)
-    if cfg.norm_placement == "pre":
-        return x + m
-    assert w.mlp_post_norm is not None
-    if cfg.norm_placement == "sandwich_out":
-        return x + norm(m, w.mlp_post_norm, cfg)
-    return norm(m + x, w.mlp_post_norm, cfg)

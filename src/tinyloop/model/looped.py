@@ -1,4 +1,9 @@
-"""The looped forward pass: embedding -> prelude -> body x L (with injection) -> coda -> head."""
+"""The looped forward pass: embedding -> prelude -> body x L (with injection) -> coda -> head.
+
+The one place the architecture is interpreted (injection, loop norm, norm placement, state start, exit gate,
+stochastic rounding's per-iteration weights). It is written over a `ForwardOps` backend (model/ops.py):
+the torch reference here, the CPU decode step and the CUDA kernels in runtime/ run this same code.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tinyloop.config import ArchConfig
-from tinyloop.kernels.dispatch import embedding, linear
-from tinyloop.model.cross_iter import at_iteration
-from tinyloop.model.layers import StepContext, layer, norm
+from tinyloop.model.cross_iter import at_iteration, has_cross_iter
+from tinyloop.model.layers import StepContext, norm
+from tinyloop.model.ops import ForwardOps, TorchOps, gate_logit
 from tinyloop.model.slots import body_slot, coda_slot, prelude_slot
-from tinyloop.model.weights import ModelWeights
+from tinyloop.model.weights import LayerWeights, ModelWeights, Norm
+
+__all__ = ["ForwardOutput", "IterationView", "forward", "gate_logit", "run"]
 
 
 @dataclass
@@ -33,14 +40,215 @@ class ForwardOutput:
     prelude_out: torch.Tensor | None = None
 
 
+class IterationView:
+    """What a per-iteration hook sees after iteration `loop` (0-based): the loop state, the state before the
+    iteration, the exit gate's logit (models with one), and `logits()`: the head's output if the loop stopped
+    here (computed once, on demand; a forward that stops at this iteration returns it). Hooks need a backend
+    whose ops leave their inputs alone (`TorchOps`)."""
+
+    def __init__(self, ops: ForwardOps, w: ModelWeights, cfg: ArchConfig, loop: int, state: torch.Tensor,
+                 previous: torch.Tensor, gate: torch.Tensor | None) -> None:  # fmt: skip
+        self._ops, self._w, self._cfg = ops, w, cfg
+        self.loop, self.state, self.previous, self.gate = loop, state, previous, gate
+        self._logits: torch.Tensor | None = None
+
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits = exit_logits(self._ops, self._w, self._cfg, self._ops.keep(self.state))
+        return self._logits
+
+
+# Called after each iteration: True stops the loop there (the coda and the head then read that state); a [B]
+# bool tensor stops those batch rows (they keep their state while the others go on; all stopped ends the loop).
+IterationHook = Callable[[IterationView], "bool | torch.Tensor"]
+
+
+def layer(ops: ForwardOps, cfg: ArchConfig, x: torch.Tensor, lw: LayerWeights, slot: int) -> torch.Tensor:
+    """One transformer layer with the config's norm placement: pre-norm residuals, or sandwich norms on
+    each sublayer's output (added to the residual, or applied to the sum)."""
+    attn = ops.attention(x, lw, slot)
+    if cfg.norm_placement == "pre":
+        x = ops.project(attn, lw.out, x)
+    else:
+        assert lw.attn_post_norm is not None
+        x = ops.post_norm(ops.project(attn, lw.out), lw.attn_post_norm, x, sum_first=_sum_first(cfg))
+    h = ops.mlp_in(x, lw)
+    if cfg.norm_placement == "pre":
+        return ops.project(h, lw.down, x, into_residual=True)  # x is this layer's own
+    assert lw.mlp_post_norm is not None
+    return ops.post_norm(ops.project(h, lw.down), lw.mlp_post_norm, x, sum_first=_sum_first(cfg))
+
+
+def _sum_first(cfg: ArchConfig) -> bool:
+    return cfg.norm_placement == "sandwich_sum"
+
+
+def prelude(ops: ForwardOps, w: ModelWeights, cfg: ArchConfig, tokens: torch.Tensor) -> torch.Tensor:
+    x = ops.embed(tokens, cfg.embed_scale)
+    for i, lw in enumerate(w.prelude):
+        x = layer(ops, cfg, x, lw, prelude_slot(cfg, i))
+    return x
+
+
+def start_state(ops: ForwardOps, cfg: ArchConfig, prelude_out: torch.Tensor) -> torch.Tensor:
+    """The loop state before the first iteration (the prelude output may be overwritten: keep it first)."""
+    if cfg.state_start == "prelude":
+        return prelude_out
+    if cfg.state_start == "zeros":
+        return ops.zeros_state(prelude_out)
+    return ops.noise_state(prelude_out)
+
+
+def iterate(
+    ops: ForwardOps, w: ModelWeights, cfg: ArchConfig, state: torch.Tensor, prelude_out: torch.Tensor, loop: int
+) -> torch.Tensor:
+    """One pass of the shared body (iteration index `loop`, 0-based); `w` already bound to the iteration
+    (`at_iteration`) where its looped matrices are stochastic."""
+    if cfg.injection == "add":
+        x = ops.add(state, prelude_out)
+    elif cfg.injection == "concat":
+        assert w.adapter is not None
+        x = ops.concat_project(state, prelude_out, w.adapter)
+    else:
+        x = state
+    for j, lw in enumerate(w.body):
+        x = layer(ops, cfg, x, lw, body_slot(cfg, loop, j))
+    if cfg.loop_norm == "every_loop":
+        assert w.final_norm is not None
+        x = ops.norm(x, w.final_norm)
+    return x
+
+
+def coda(ops: ForwardOps, w: ModelWeights, cfg: ArchConfig, state: torch.Tensor) -> torch.Tensor:
+    """The state leaving the loop through the loop's final norm and the coda (before the head's norm)."""
+    x = state
+    if cfg.loop_norm == "after_loop":
+        assert w.final_norm is not None
+        x = ops.norm(x, w.final_norm)
+    for i, lw in enumerate(w.coda):
+        x = layer(ops, cfg, x, lw, coda_slot(cfg, i))
+    return x
+
+
+def head_norm(w: ModelWeights, cfg: ArchConfig) -> Norm | None:
+    if not cfg.head_norm:
+        return None
+    assert w.final_norm is not None
+    return w.final_norm
+
+
+def exit_logits(ops: ForwardOps, w: ModelWeights, cfg: ArchConfig, state: torch.Tensor) -> torch.Tensor:
+    """The logits of a loop state: coda, head norm, head."""
+    return ops.head(coda(ops, w, cfg, state), head_norm(w, cfg), cfg.logit_scale)
+
+
+def run(
+    ops: ForwardOps,
+    w: ModelWeights,
+    cfg: ArchConfig,
+    tokens: torch.Tensor,
+    loops: int,
+    *,
+    collect_states: bool = False,
+    resume: tuple[torch.Tensor, torch.Tensor] | None = None,
+    start_loop: int = 0,
+    on_iteration: IterationHook | None = None,
+    depth: torch.Tensor | None = None,
+) -> ForwardOutput:
+    """The forward of tokens [B, T] at `loops` iterations over a backend; caches are the backend's.
+
+    resume=(loop_state, prelude_out) with start_loop=k continues a forward that already ran k iterations on
+    these positions: only iterations k..loops-1, the coda and the head run. `on_iteration` sees each
+    iteration's state and may stop the loop, or some rows, early (IterationHook). depth ([B], on the
+    device): per-row iterations (<= loops); a row past its depth keeps its state through the remaining
+    iterations, whose K/V it writes to slots it never reads.
+    """
+    states: list[torch.Tensor] | None = [] if collect_states else None
+    if resume is None:
+        if start_loop:
+            raise ValueError("start_loop needs resume=(loop_state, prelude_out)")
+        x = ops.embed(tokens, cfg.embed_scale)
+        if states is not None:
+            states.append(ops.keep(x))
+        for i, lw in enumerate(w.prelude):
+            x = layer(ops, cfg, x, lw, prelude_slot(cfg, i))
+        p = ops.keep(x)
+        if states is not None:
+            states.append(p)
+        s = start_state(ops, cfg, x)
+    else:
+        s, p = ops.resume(*resume)
+    gates: list[torch.Tensor] = []
+    view: IterationView | None = None
+    stochastic = has_cross_iter(w)  # cross-iteration rounding draws each iteration's own looped weights
+    running: torch.Tensor | None = None  # rows a hook has not stopped
+    for t in range(start_loop, loops):
+        previous = s
+        s = iterate(ops, at_iteration(w, t) if stochastic else w, cfg, s, p, t)
+        live = depth > t if depth is not None else None
+        if running is not None:
+            live = running if live is None else live & running
+        if live is not None:
+            s = ops.where_rows(live, s, previous)
+        if states is not None:
+            states.append(ops.keep(s))
+        gate = ops.gate(s) if w.exit_gate_weight is not None else None
+        if gate is not None:
+            gates.append(gate)
+        if on_iteration is not None:
+            view = IterationView(ops, w, cfg, t, s, previous, gate)
+            stop = on_iteration(view)
+            if isinstance(stop, torch.Tensor):
+                running = ~stop if running is None else running & ~stop
+                if not bool(running.any()):
+                    break
+            elif stop:
+                break
+    loop_state = ops.keep(s)
+    if view is not None and view._logits is not None and view.state is s:
+        logits = view._logits
+    else:
+        logits = exit_logits(ops, w, cfg, s)
+    return ForwardOutput(
+        logits=logits, states=states, gates=gates, loop_state=ops.rows(loop_state), prelude_out=ops.rows(p)
+    )
+
+
+# ---- the reference backend's entry points ----------------------------------------------------------------------
+def forward(
+    w: ModelWeights,
+    cfg: ArchConfig,
+    tokens: torch.Tensor,
+    ctx: StepContext,
+    loops: int,
+    *,
+    dtype: torch.dtype,
+    noise: torch.Tensor | None = None,
+    last_index: torch.Tensor | None = None,
+    collect_states: bool = False,
+    resume: tuple[torch.Tensor, torch.Tensor] | None = None,
+    start_loop: int = 0,
+    on_iteration: IterationHook | None = None,
+    depth: torch.Tensor | None = None,
+) -> ForwardOutput:
+    """`run` over torch ops (`TorchOps`); caches are read and written through ctx.
+
+    The head only sees the positions named by `last_index` when it is given (decode); the coda still
+    runs on every position, since later tokens attend to its K/V.
+    """
+    ops = TorchOps(w, cfg, ctx, dtype, noise, last_index)
+    return run(ops, w, cfg, tokens, loops, collect_states=collect_states, resume=resume, start_loop=start_loop,
+               on_iteration=on_iteration, depth=depth)  # fmt: skip
+
+
 def embed(w: ModelWeights, cfg: ArchConfig, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    x = embedding(tokens, w.embed, dtype)
-    return x * cfg.embed_scale if cfg.embed_scale != 1.0 else x
+    return TorchOps(w, cfg, _NO_CONTEXT, dtype).embed(tokens, cfg.embed_scale)
 
 
 def run_prelude(w: ModelWeights, cfg: ArchConfig, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    ops = TorchOps(w, cfg, ctx, x.dtype)
     for i, lw in enumerate(w.prelude):
-        x = layer(x, lw, cfg, ctx, prelude_slot(cfg, i))
+        x = layer(ops, cfg, x, lw, prelude_slot(cfg, i))
     return x
 
 
@@ -48,12 +256,27 @@ def initial_state(
     cfg: ArchConfig, prelude_out: torch.Tensor, positions: torch.Tensor, noise: torch.Tensor | None
 ) -> torch.Tensor:
     """The loop state before the first iteration. `noise` is a [positions, d] table (random start)."""
-    if cfg.state_start == "prelude":
-        return prelude_out
-    if cfg.state_start == "zeros":
-        return torch.zeros_like(prelude_out)
-    assert noise is not None, "random state start needs the noise table"
-    return noise[positions].to(prelude_out.dtype)
+    ctx = StepContext(positions, _EMPTY, _EMPTY, None, None)
+    return start_state(TorchOps(_NO_WEIGHTS, cfg, ctx, prelude_out.dtype, noise), cfg, prelude_out)
+
+
+def loop_iteration(
+    w: ModelWeights, cfg: ArchConfig, state: torch.Tensor, prelude_out: torch.Tensor, ctx: StepContext, loop: int
+) -> torch.Tensor:
+    """One pass of the shared body (iteration index `loop`, 0-based), over torch ops."""
+    w = at_iteration(w, loop)
+    return iterate(TorchOps(w, cfg, ctx, state.dtype), w, cfg, state, prelude_out, loop)
+
+
+def exit_hidden(w: ModelWeights, cfg: ArchConfig, state: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """The state leaving the loop, through the coda and the final norm (before the head)."""
+    x = coda(TorchOps(w, cfg, ctx, state.dtype), w, cfg, state)
+    n = head_norm(w, cfg)
+    return norm(x, n, cfg) if n is not None else x
+
+
+def head(w: ModelWeights, cfg: ArchConfig, x: torch.Tensor) -> torch.Tensor:
+    return TorchOps(w, cfg, _NO_CONTEXT, x.dtype).head(x, None, cfg.logit_scale)
 
 
 NOISE_BLOCK_ROWS = 256
@@ -75,105 +298,6 @@ def state_noise_table(cfg: ArchConfig, positions: int, device: torch.device | st
     return table.to(device)
 
 
-def loop_iteration(
-    w: ModelWeights, cfg: ArchConfig, state: torch.Tensor, prelude_out: torch.Tensor, ctx: StepContext, loop: int
-) -> torch.Tensor:
-    """One pass of the shared body (iteration index `loop`, 0-based)."""
-    w = at_iteration(w, loop)  # cross-iteration rounding draws each iteration's own looped weights
-    if cfg.injection == "add":
-        x = state + prelude_out
-    elif cfg.injection == "concat":
-        assert w.adapter is not None
-        x = linear(torch.cat((state, prelude_out), dim=-1), w.adapter)
-    else:
-        x = state
-    for j, lw in enumerate(w.body):
-        x = layer(x, lw, cfg, ctx, body_slot(cfg, loop, j))
-    if cfg.loop_norm == "every_loop":
-        assert w.final_norm is not None
-        x = norm(x, w.final_norm, cfg)
-    return x
-
-
-def gate_logit(w: ModelWeights, state: torch.Tensor) -> torch.Tensor:
-    assert w.exit_gate_weight is not None and w.exit_gate_bias is not None
-    g = state.float() @ w.exit_gate_weight.float().T + w.exit_gate_bias.float()
-    return g.squeeze(-1)
-
-
-def exit_hidden(w: ModelWeights, cfg: ArchConfig, state: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-    """The state leaving the loop, through the coda and the final norm (before the head)."""
-    x = state
-    if cfg.loop_norm == "after_loop":
-        assert w.final_norm is not None
-        x = norm(x, w.final_norm, cfg)
-    for i, lw in enumerate(w.coda):
-        x = layer(x, lw, cfg, ctx, coda_slot(cfg, i))
-    if cfg.head_norm:
-        assert w.final_norm is not None
-        x = norm(x, w.final_norm, cfg)
-    return x
-
-
-def head(w: ModelWeights, cfg: ArchConfig, x: torch.Tensor) -> torch.Tensor:
-    logits = linear(x, w.head).float()
-    return logits * cfg.logit_scale if cfg.logit_scale != 1.0 else logits
-
-
-def select_rows(x: torch.Tensor, last_index: torch.Tensor | None) -> torch.Tensor:
-    """Keep one position per row ([B, 1, d]) when `last_index` ([B]) is given."""
-    if last_index is None:
-        return x
-    idx = last_index.view(-1, 1, 1).expand(-1, 1, x.shape[-1])
-    return x.gather(1, idx)
-
-
-def forward(
-    w: ModelWeights,
-    cfg: ArchConfig,
-    tokens: torch.Tensor,
-    ctx: StepContext,
-    loops: int,
-    *,
-    dtype: torch.dtype,
-    noise: torch.Tensor | None = None,
-    last_index: torch.Tensor | None = None,
-    collect_states: bool = False,
-    on_state: Callable[[int, torch.Tensor], None] | None = None,
-    resume: tuple[torch.Tensor, torch.Tensor] | None = None,
-    start_loop: int = 0,
-    depth: torch.Tensor | None = None,
-) -> ForwardOutput:
-    """Full forward of tokens [B, T] at `loops` iterations; caches are read and written through ctx.
-
-    The head only sees the positions named by `last_index` when it is given (decode); the coda still
-    runs on every position, since later tokens attend to its K/V.
-    resume=(loop_state, prelude_out) with start_loop=k continues a forward that already ran k
-    iterations on these positions: only iterations k..loops-1, the coda and the head run.
-    depth ([B], on the device): per-row iterations (<= loops); a row past its depth keeps its state
-    through the remaining iterations, whose K/V it writes to slots it never reads.
-    """
-    states: list[torch.Tensor] | None = [] if collect_states else None
-    if resume is None:
-        if start_loop:
-            raise ValueError("start_loop needs resume=(loop_state, prelude_out)")
-        e = embed(w, cfg, tokens, dtype)
-        p = run_prelude(w, cfg, e, ctx)
-        if states is not None:
-            states += [e, p]
-        s = initial_state(cfg, p, ctx.positions, noise)
-    else:
-        s, p = resume
-    gates: list[torch.Tensor] = []
-    for t in range(start_loop, loops):
-        nxt = loop_iteration(w, cfg, s, p, ctx, t)
-        s = nxt if depth is None else torch.where((depth > t).view(-1, 1, 1), nxt, s)
-        if states is not None:
-            states.append(s)
-        if w.exit_gate_weight is not None:
-            gates.append(gate_logit(w, s))
-        if on_state is not None:
-            on_state(t, s)
-    x = exit_hidden(w, cfg, s, ctx)
-    logits = head(w, cfg, select_rows(x, last_index))
-    return ForwardOutput(logits=logits, states=states, gates=gates, loop_state=s, prelude_out=p)
+_EMPTY = torch.empty(0)
+_NO_CONTEXT = StepContext(_EMPTY, _EMPTY, _EMPTY, None, None)  # for ops that read no positions or cache
+_NO_WEIGHTS: ModelWeights = None  # type: ignore[assignment]  # the state start reads no weights

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from tinyloop.cache.base import StepCache
-from tinyloop.model.looped import embed, exit_hidden, gate_logit, head, initial_state, loop_iteration, run_prelude
+from tinyloop.model.looped import IterationView, forward
 from tinyloop.runtime.depth_schedule import fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.family_exit import ExitRule, exit_logits
@@ -121,12 +121,42 @@ def adaptive_rows_step(
     skipped, up to fill_to[b], are filled by the one-row rule (`fill_skipped_iterations`), and the coda and
     head read its exit state, so each row's logits and cache equal the row stepped alone.
     """
-    cfg, w = engine.cfg, engine.weights
+    cfg = engine.cfg
     B = len(tokens)
     start = cache.lengths.clone()
     end = int(start.max()) + 1
     if end > cache.max_seq:
         raise ValueError(f"sequence of {end} tokens exceeds the cache's max_seq_len {cache.max_seq}")
+    trackers = [None if c is None else _Tracker(c, cfg.vocab_size) for c in criteria]
+    ran = list(depth)
+    running = [True] * B
+
+    def exit_rows(view: IterationView) -> torch.Tensor:
+        """Rows whose depth is reached or whose criterion fires after this iteration."""
+        t = view.loop
+        stopped = [False] * B
+        checks = []
+        for b, tr in enumerate(trackers):
+            if not running[b]:
+                continue
+            if t + 1 == depth[b]:
+                running[b], stopped[b] = False, True
+            if tr is None or t + 1 == depth[b] or t + 1 < tr.crit.min_loops:
+                continue
+            checks.append(b)
+        if checks:
+            wants_logits = any(trackers[b].needs_logits() for b in checks)  # type: ignore[union-attr]
+            check = view.logits()[:, -1] if wants_logits else None
+            for b in checks:
+                tr = trackers[b]
+                assert tr is not None
+                tr.prev_state = view.previous[b : b + 1]
+                row_logits = check[b] if check is not None and tr.needs_logits() else None
+                row_gate = view.gate[b, -1] if view.gate is not None and tr.crit.kind == "gate" else None
+                if tr.should_exit(row_logits, view.state[b : b + 1], row_gate):
+                    ran[b], running[b], stopped[b] = t + 1, False, True
+        return torch.tensor(stopped, device=engine.device)
+
     with engine.lock:
         positions = start.view(B, 1).to(engine.device)
         ctx = engine.context(positions, cache, end)
@@ -134,43 +164,11 @@ def adaptive_rows_step(
         if begin_step is not None:  # the sliding window lays out its own span
             ctx.mask = begin_step(positions, start, torch.ones(B, dtype=torch.long))
         ids = torch.tensor(list(tokens), dtype=torch.long, device=engine.device).view(B, 1)
-        p = run_prelude(w, cfg, embed(w, cfg, ids, engine.dtype), ctx)
-        s = initial_state(cfg, p, positions, engine.noise)
-        trackers = [None if c is None else _Tracker(c, cfg.vocab_size, prev_state=s[b : b + 1])
-                    for b, c in enumerate(criteria)]  # fmt: skip
-        ran = list(depth)
-        running = [True] * B
-        for t in range(max(depth)):
-            keep = torch.tensor(running, device=engine.device).view(B, 1, 1)
-            s = torch.where(keep, loop_iteration(w, cfg, s, p, ctx, t), s)
-            checks = []
-            for b, tr in enumerate(trackers):
-                if not running[b]:
-                    continue
-                if t + 1 == depth[b]:
-                    running[b] = False
-                if tr is None:
-                    continue
-                if t + 1 == depth[b] or t + 1 < tr.crit.min_loops:
-                    if tr.crit.kind == "latent":
-                        tr.prev_state = s[b : b + 1]
-                    continue
-                checks.append(b)
-            if checks:
-                wants_logits = any(trackers[b].needs_logits() for b in checks)  # type: ignore[union-attr]
-                check = head(w, cfg, exit_hidden(w, cfg, s, ctx))[:, -1] if wants_logits else None
-                gate = gate_logit(w, s)[:, -1] if w.exit_gate_weight is not None else None
-                for b in checks:
-                    tr = trackers[b]
-                    assert tr is not None
-                    row_logits = check[b] if check is not None and tr.needs_logits() else None
-                    row_gate = gate[b] if gate is not None and tr.crit.kind == "gate" else None
-                    if tr.should_exit(row_logits, s[b : b + 1], row_gate):
-                        ran[b], running[b] = t + 1, False
-            if not any(running):
-                break
         # The coda (and its K/V) and the head see every row's exit state.
-        logits = head(w, cfg, exit_hidden(w, cfg, s, ctx))[:, -1]
+        out = forward(engine.weights, cfg, ids, ctx, max(depth), dtype=engine.dtype, noise=engine.noise,
+                      on_iteration=exit_rows)  # fmt: skip
+        assert out.logits is not None
+        logits = out.logits[:, -1]
         cache.lengths = torch.maximum(cache.lengths, start + 1)
         for b in range(B):
             if ran[b] < fill_to[b]:

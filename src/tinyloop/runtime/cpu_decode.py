@@ -1,11 +1,11 @@
 """The CPU decode step: one new token per row, in few torch ops and preallocated buffers.
 
 A CPU decode step of a small looped model is bound by per-op overhead as much as by reading the
-weights (36 layer passes per token for the built-in model). This path runs the generic forward's math
-on [B, d] rows with about 22 ops per layer: matmuls write into buffers or add the residual in place
-(addmm_), RMSNorm is one layer_norm over [x, -x] (mean 0, variance mean(x^2)), RoPE rotates q and k
-together, and attention reads per-slot cache views that are rebuilt only when the attended span grows
-by a bucket. The adapter of "concat" injection is split so that its prelude half runs once per token.
+weights (36 layer passes per token for the built-in model). The model's forward (model/looped.py) runs
+over `_CpuOps`, a backend that works on [B, d] rows with about 22 ops per layer: matmuls write into
+buffers or add the residual in place (addmm_), RMSNorm is one layer_norm over [x, -x] (mean 0, variance
+mean(x^2)), RoPE rotates q and k together, and attention reads per-slot cache views that are rebuilt only
+when the attended span grows by a bucket. The injection adapter is split so that its prelude half runs once per token.
 Matrices the loader kept as INT4 (bfloat16 matmuls, kernels/cpu_int4.py) go through torch's CPU INT4
 kernel, which reads their 4-bit codes instead of a float32 copy; everything else stays float32.
 """
@@ -22,8 +22,9 @@ from tinyloop.cache.dense import DenseKVCache
 from tinyloop.cache.kv import KVCache
 from tinyloop.config import ArchConfig
 from tinyloop.kernels import cpu_int4
-from tinyloop.model.looped import ForwardOutput, gate_logit
-from tinyloop.model.slots import body_slot, coda_slot, prelude_slot
+from tinyloop.kernels.dispatch import Weight
+from tinyloop.model.looped import ForwardOutput, run
+from tinyloop.model.ops import gate_logit
 from tinyloop.model.weights import LayerWeights, ModelWeights, Norm
 from tinyloop.quant import CpuInt4Weight
 
@@ -181,13 +182,20 @@ class CpuDecoder:
         self.cfg = cfg
         self.w = weights
         self.cos, self.sin, self.noise = cos, sin, noise
-        self.prelude = [self._pack(lw) for lw in weights.prelude]
-        self.body = [self._pack(lw) for lw in weights.body]
-        self.coda = [self._pack(lw) for lw in weights.coda]
+        # What the forward hands the ops (a layer's weights, a matrix, a norm) -> its packed form here.
+        self.packs: dict[int, _LayerPack] = {}
+        self.operands: dict[int, Matrix] = {}
+        self.norms: dict[int, _NormPack] = {}
+        for lw in (*weights.prelude, *weights.body, *weights.coda):
+            pack = self.packs[id(lw)] = self._pack(lw)
+            self.operands[id(lw.out)], self.operands[id(lw.down)] = pack.out, pack.down
+            for n, packed in ((lw.attn_post_norm, pack.attn_post_norm), (lw.mlp_post_norm, pack.mlp_post_norm)):
+                if n is not None and packed is not None:
+                    self.norms[id(n)] = packed
         d = cfg.d_model
         self.adapter_state: Matrix | None = None
         self.adapter_prelude: Matrix | None = None
-        if cfg.injection == "concat":
+        if weights.adapter is not None:
             # The adapter reads cat(state, prelude_out): split by input half.
             self.adapter_state = _mm_operand(_input_columns(weights.adapter, 0, d))
             self.adapter_prelude = _mm_operand(_input_columns(weights.adapter, d, 2 * d))
@@ -197,7 +205,9 @@ class CpuDecoder:
         self.embed: torch.Tensor = embed
         # [d, V] (a view: the tied table stays row-major for lookups)
         self.head: Matrix = head if isinstance(head, CpuInt4Weight) else head.t()
-        self.final_norm = self._norm_pack(weights.final_norm)
+        final_norm = self._norm_pack(weights.final_norm)
+        if weights.final_norm is not None and final_norm is not None:
+            self.norms[id(weights.final_norm)] = final_norm
         half = cfg.head_dim // 2
         self._pairs = (2, half) if cfg.rope_pairing == "half" else (half, 2)
         self._swap_dim = 2 if cfg.rope_pairing == "half" else 3
@@ -276,7 +286,7 @@ class CpuDecoder:
             views=self._cache_views(cache, span),
         )
 
-    # ---- layers ----------------------------------------------------------------------------------
+    # ---- layer pieces ----------------------------------------------------------------------------
     def _norm(self, buf: _Buffers, i: int, n: _NormPack) -> torch.Tensor:
         """The norm of the rows in buffer i ([B, d], fresh)."""
         cfg = self.cfg
@@ -311,41 +321,6 @@ class CpuDecoder:
         scores = torch.baddbmm(st.mask, q, st.views.keys_t[slot])
         torch.bmm(torch.softmax(scores, dim=-1), st.views.values[slot], out=buf.attn)
 
-    def _layer(self, buf: _Buffers, i: int, lp: _LayerPack, cache: KVCache, slot: int, st: _Step) -> None:
-        """One layer over the rows in buffer i, in place."""
-        cfg = self.cfg
-        d = cfg.d_model
-        x = buf.left[i]
-        self._attention(self._norm(buf, i, lp.attn_norm), lp, cache, slot, st, buf)
-        if cfg.norm_placement == "pre":
-            buf.accumulate(x, buf.attn2, lp.out)
-        elif cfg.norm_placement == "sandwich_out":
-            assert lp.attn_post_norm is not None
-            buf.product_into(buf.tmp2[:, :d], buf.attn2, lp.out)
-            x.add_(self._norm_tmp(buf, lp.attn_post_norm))
-        else:
-            assert lp.attn_post_norm is not None
-            buf.accumulate(x, buf.attn2, lp.out)
-            x.copy_(self._norm(buf, i, lp.attn_post_norm))
-        h = self._norm(buf, i, lp.mlp_norm)
-        if lp.gate_up is not None:
-            buf.product_into(buf.gu, h, lp.gate_up)
-            F.silu(buf.gate, inplace=True)
-            act = torch.mul(buf.gate, buf.up, out=buf.act)
-        else:
-            assert lp.up is not None
-            act = F.gelu(buf.product(h, lp.up))
-        if cfg.norm_placement == "pre":
-            buf.accumulate(x, act, lp.down)
-            return
-        assert lp.mlp_post_norm is not None
-        if cfg.norm_placement == "sandwich_out":
-            buf.product_into(buf.tmp2[:, :d], act, lp.down)
-            x.add_(self._norm_tmp(buf, lp.mlp_post_norm))
-        else:
-            buf.accumulate(x, act, lp.down)
-            x.copy_(self._norm(buf, i, lp.mlp_post_norm))
-
     # ---- the step --------------------------------------------------------------------------------
     def release(self) -> None:
         self._buffers.clear()
@@ -375,60 +350,114 @@ class CpuDecoder:
         if single:
             torch.set_num_threads(1)
         try:
-            return self._decode(tokens.to("cpu", torch.long).view(B), cache, loops)
+            buf = self._buffers.get(B)
+            if buf is None:
+                buf = self._buffers[B] = _Buffers(self.cfg, B)
+            ops = _CpuOps(self, buf, self._step(cache, B), cache)
+            return run(ops, self.w, self.cfg, tokens.to("cpu", torch.long).view(B), loops)
         finally:
             if single:
                 torch.set_num_threads(previous)
 
-    def _decode(self, tokens: torch.Tensor, cache: KVCache, loops: int) -> ForwardOutput:
-        cfg, w = self.cfg, self.w
-        B = tokens.shape[0]
-        buf = self._buffers.get(B)
-        if buf is None:
-            buf = self._buffers[B] = _Buffers(cfg, B)
-        st = self._step(cache, B)
-        cur = 0
-        torch.mul(F.embedding(tokens, self.embed), cfg.embed_scale, out=buf.left[cur])
-        for i, lp in enumerate(self.prelude):
-            self._layer(buf, cur, lp, cache, prelude_slot(cfg, i), st)
-        p = buf.left[cur].clone()
-        if cfg.state_start == "zeros":
-            buf.left[cur].zero_()
-        elif cfg.state_start == "random":
-            assert self.noise is not None
-            buf.left[cur].copy_(self.noise[st.pos])
-        injected = None if self.adapter_prelude is None else buf.product(p, self.adapter_prelude)
-        gates: list[torch.Tensor] = []
-        for t in range(loops):
-            if cfg.injection != "none":
-                nxt = 1 - cur
-                if injected is not None and t == 0 and cfg.state_start == "zeros":
-                    buf.left[nxt].copy_(injected)  # the zero state's half of the adapter adds exactly 0
-                elif injected is not None:
-                    assert self.adapter_state is not None
-                    buf.product_into(buf.left[nxt], buf.left[cur], self.adapter_state, injected)
-                else:
-                    torch.add(buf.left[cur], p, out=buf.left[nxt])
-                cur = nxt
-            for j, lp in enumerate(self.body):
-                self._layer(buf, cur, lp, cache, body_slot(cfg, t, j), st)
-            if cfg.loop_norm == "every_loop":
-                assert self.final_norm is not None
-                buf.left[cur].copy_(self._norm(buf, cur, self.final_norm))
-            if w.exit_gate_weight is not None:
-                gates.append(gate_logit(w, buf.left[cur][:, None, :]))
-        s = buf.left[cur].clone()
-        if cfg.loop_norm == "after_loop":
-            assert self.final_norm is not None
-            buf.left[cur].copy_(self._norm(buf, cur, self.final_norm))
-        for i, lp in enumerate(self.coda):
-            self._layer(buf, cur, lp, cache, coda_slot(cfg, i), st)
-        x = buf.left[cur]
-        if cfg.head_norm:
-            assert self.final_norm is not None
-            x = self._norm(buf, cur, self.final_norm)
-        logits = buf.product(x, self.head)
-        if cfg.logit_scale != 1.0:
-            logits.mul_(cfg.logit_scale)
-        return ForwardOutput(logits=logits.view(B, 1, -1), gates=gates, loop_state=s.view(B, 1, -1),
-                             prelude_out=p.view(B, 1, -1))  # fmt: skip
+
+class _CpuOps:
+    """ForwardOps (model/ops.py) of one CPU decode step. The residual stream lives in the ping-pong buffers
+    [B, 2d] ([x, -x], so RMSNorm is one layer_norm); `cur` is the one holding it. Every op the forward calls
+    reads the stream from there and leaves its result there, so values are that buffer (or a scratch buffer
+    the next op consumes); `keep` copies what the forward reads later."""
+
+    def __init__(self, dec: CpuDecoder, buf: _Buffers, st: _Step, cache: KVCache) -> None:
+        self.dec, self.buf, self.st, self.cache = dec, buf, st, cache
+        self.B = st.pos.shape[0]
+        self.cur = 0
+        self.injected: torch.Tensor | None = None  # prelude_out's half of the adapter, once per step
+        self.zero_state = False  # the state is the zero start (its half of the adapter adds exactly 0)
+
+    def embed(self, tokens: torch.Tensor, scale: float) -> torch.Tensor:
+        return torch.mul(F.embedding(tokens, self.dec.embed), scale, out=self.buf.left[self.cur])
+
+    def attention(self, x: torch.Tensor, lw: LayerWeights, slot: int) -> torch.Tensor:
+        dec, buf = self.dec, self.buf
+        lp = dec.packs[id(lw)]
+        dec._attention(dec._norm(buf, self.cur, lp.attn_norm), lp, self.cache, slot, self.st, buf)
+        return buf.attn2
+
+    def project(
+        self, h: torch.Tensor, w: Weight, residual: torch.Tensor | None = None, *, into_residual: bool = False
+    ) -> torch.Tensor:
+        operand = self.dec.operands[id(w)]
+        if residual is None:  # a sandwich sublayer's output, normalized next (post_norm)
+            out = self.buf.tmp2[:, : self.dec.cfg.d_model]
+            self.buf.product_into(out, h, operand)
+            return out
+        self.buf.accumulate(residual, h, operand)
+        return residual
+
+    def post_norm(self, y: torch.Tensor, n: Norm, residual: torch.Tensor, *, sum_first: bool) -> torch.Tensor:
+        packed = self.dec.norms[id(n)]
+        if sum_first:
+            residual.add_(y)
+            return residual.copy_(self.dec._norm(self.buf, self.cur, packed))
+        return residual.add_(self.dec._norm_tmp(self.buf, packed))
+
+    def mlp_in(self, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+        dec, buf = self.dec, self.buf
+        lp = dec.packs[id(lw)]
+        h = dec._norm(buf, self.cur, lp.mlp_norm)
+        if lp.gate_up is not None:
+            buf.product_into(buf.gu, h, lp.gate_up)
+            F.silu(buf.gate, inplace=True)
+            return torch.mul(buf.gate, buf.up, out=buf.act)
+        assert lp.up is not None
+        return F.gelu(buf.product(h, lp.up))
+
+    def norm(self, x: torch.Tensor, n: Norm) -> torch.Tensor:
+        return x.copy_(self.dec._norm(self.buf, self.cur, self.dec.norms[id(n)]))
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        self.cur = 1 - self.cur
+        return torch.add(a, b, out=self.buf.left[self.cur])
+
+    def concat_project(self, state: torch.Tensor, prelude_out: torch.Tensor, adapter: Weight) -> torch.Tensor:
+        dec, buf = self.dec, self.buf
+        assert dec.adapter_state is not None and dec.adapter_prelude is not None
+        if self.injected is None:
+            self.injected = buf.product(prelude_out, dec.adapter_prelude)
+        self.cur = 1 - self.cur
+        if self.zero_state:
+            self.zero_state = False
+            return buf.left[self.cur].copy_(self.injected)
+        buf.product_into(buf.left[self.cur], state, dec.adapter_state, self.injected)
+        return buf.left[self.cur]
+
+    def zeros_state(self, like: torch.Tensor) -> torch.Tensor:
+        self.zero_state = True
+        return like.zero_()
+
+    def noise_state(self, like: torch.Tensor) -> torch.Tensor:
+        assert self.dec.noise is not None
+        return like.copy_(self.dec.noise[self.st.pos])
+
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    def gate(self, state: torch.Tensor) -> torch.Tensor:
+        return gate_logit(self.dec.w, state[:, None, :])
+
+    def head(self, x: torch.Tensor, n: Norm | None, scale: float) -> torch.Tensor:
+        dec = self.dec
+        if n is not None:
+            x = dec._norm(self.buf, self.cur, dec.norms[id(n)])
+        logits = self.buf.product(x, dec.head)
+        if scale != 1.0:
+            logits.mul_(scale)
+        return logits.view(self.B, 1, -1)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(self.B, 1, -1)
+
+    def where_rows(self, take_new: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        return new.copy_(torch.where(take_new.view(-1, 1), new, old))
+
+    def resume(self, state: torch.Tensor, prelude_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise AssertionError("the CPU decode step declines resumed forwards (CpuDecoder.decode)")

@@ -1,4 +1,4 @@
-"""Chooses the specialised decode step for an engine's device (CPU fast path, CUDA graphs) if one applies.
+"""What a specialised decode step (CPU fast path, CUDA graphs) is to the engine, and what it reads from it.
 
 `Engine.step` offers every call over a dense `KVCache` in the compute dtype (or over no cache) that does not
 ask for hidden states to its decoder first; the decoder handles what it covers and declines the rest by
@@ -12,10 +12,13 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from tinyloop.cache.kv import KVCache
+from tinyloop.config import ArchConfig
+from tinyloop.kernels.policy import KernelPolicy
 from tinyloop.model.looped import ForwardOutput
+from tinyloop.model.weights import ModelWeights
 
 if TYPE_CHECKING:
-    from tinyloop.runtime.engine import Engine
+    from tinyloop.kernels.l2_residency import L2Window
 
 
 class Decoder(Protocol):
@@ -41,24 +44,17 @@ class Decoder(Protocol):
         ...
 
 
-def select_decoder(engine: Engine) -> Decoder | None:
-    """The decoder for this engine, or None for the generic forward everywhere."""
-    if engine.device.type == "cpu":
-        from tinyloop.runtime import cpu_decode
+class DecoderHost(Protocol):
+    """What a decoder reads from its engine (runtime/engine.py), which owns it."""
 
-        if not cpu_decode.supports(engine.cfg, engine.weights, engine.device, engine.dtype):
-            return None
-        return cpu_decode.CpuDecoder(engine.cfg, engine.weights, engine.cos, engine.sin, engine.noise)
-    from tinyloop.model.cross_iter import has_cross_iter
+    cfg: ArchConfig
+    weights: ModelWeights
+    device: torch.device
+    dtype: torch.dtype
+    cos: torch.Tensor
+    sin: torch.Tensor
+    noise: torch.Tensor | None
+    l2_window: L2Window | None
+    kernel_policy: KernelPolicy
 
-    if has_cross_iter(engine.weights):  # each iteration draws its own weights: only the generic path does
-        return None
-    if engine.device.type == "cuda":
-        from tinyloop.kernels.cuda_backend import triton_available
-
-        if not triton_available():
-            return None
-        from tinyloop.runtime.fused_decode import FusedDecoder
-
-        return FusedDecoder(engine)
-    return None
+    def new_cache(self, batch: int, max_seq: int, loops: int) -> KVCache: ...

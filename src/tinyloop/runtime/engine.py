@@ -19,7 +19,7 @@ from tinyloop.log import detail
 from tinyloop.model.layers import KVStore, StepContext, rope_tables
 from tinyloop.model.looped import ForwardOutput, forward, state_noise_table
 from tinyloop.model.weights import ModelWeights
-from tinyloop.runtime.decode_path import Decoder, select_decoder
+from tinyloop.runtime.decode_path import Decoder
 
 if TYPE_CHECKING:
     from tinyloop.kernels.l2_residency import L2Window
@@ -193,3 +193,27 @@ class Engine:
         if cache is not None:
             cache.lengths = torch.maximum(cache.lengths, start + valid_cpu)
         return out
+
+
+def select_decoder(engine: Engine) -> Decoder | None:
+    """The specialised decode step for this engine's device (CPU fast path, CUDA graphs), or None for the
+    generic forward everywhere."""
+    if engine.device.type == "cpu":
+        from tinyloop.runtime import cpu_decode
+
+        if not cpu_decode.supports(engine.cfg, engine.weights, engine.device, engine.dtype):
+            return None
+        return cpu_decode.CpuDecoder(engine.cfg, engine.weights, engine.cos, engine.sin, engine.noise)
+    from tinyloop.model.cross_iter import has_cross_iter
+
+    if has_cross_iter(engine.weights):  # each iteration draws its own weights: only the generic path does
+        return None
+    if engine.device.type == "cuda":
+        from tinyloop.kernels.cuda_backend import triton_available
+
+        if not triton_available():
+            return None
+        from tinyloop.runtime.fused_decode import FusedDecoder
+
+        return FusedDecoder(engine)
+    return None

@@ -1,11 +1,12 @@
-"""The CUDA decode step: the looped forward over the static KV cache through fused Triton kernels,
-captured in CUDA graphs (one per batch size, token count, loop count and cache, built lazily).
+"""The CUDA decode step: the model's looped forward (model/looped.py) over the static KV cache with fused
+Triton kernels as its ops (`_FusedOps`), captured in CUDA graphs (one per batch size, token count, loop
+count and cache, built lazily): the forward's Python runs while capturing, the replay is the kernels alone.
 
 Per layer: RMSNorm + QKV (+ bias) -> RoPE + cache write + cached attention (one launch for one-token
 steps, two otherwise) -> output projection + residual -> RMSNorm + gate/up + SwiGLU -> down projection +
 residual; five launches instead of ~40, chained by programmatic dependent launch on Hopper.
-Same math and rounding points as `model/looped.py` (tests compare the two); configs it does not cover
-(LayerNorm) and ragged batches go back to the generic path.
+Same rounding points as the torch ops (tests compare the two); configs it does not cover (LayerNorm) and
+ragged batches go back to the generic path.
 """
 
 from __future__ import annotations
@@ -24,12 +25,13 @@ from tinyloop.cache.kv import KVCache
 from tinyloop.kernels import l2_residency
 from tinyloop.kernels.attention_backend import sdpa
 from tinyloop.kernels.cuda_ops import CudaKernels, dense_weights_reused
+from tinyloop.kernels.dispatch import Weight, embedding
 from tinyloop.log import detail, info
-from tinyloop.model.looped import ForwardOutput, embed, gate_logit, initial_state
-from tinyloop.model.slots import body_slot, coda_slot, prelude_slot
-from tinyloop.model.weights import LayerWeights
+from tinyloop.model.looped import ForwardOutput, run
+from tinyloop.model.ops import gate_logit
+from tinyloop.model.weights import LayerWeights, Norm
 from tinyloop.quant import Int4Weight
-from tinyloop.runtime.engine import Engine
+from tinyloop.runtime.decode_path import DecoderHost
 from tinyloop.stochastic.weight import StochasticInt4Weight
 
 # Steps of up to this many tokens per row attend through the cached-attention kernel; longer steps
@@ -87,10 +89,10 @@ class FusedDecoder:
     """Decoder (runtime/decode_path.py) for CUDA engines; `graphs=False` runs the kernels eagerly
     (also how the CPU tests drive it under TRITON_INTERPRET=1)."""
 
-    def __init__(self, engine: Engine, graphs: bool = True) -> None:
+    def __init__(self, engine: DecoderHost, graphs: bool = True) -> None:
         self.engine = engine
         self.cfg = engine.cfg
-        self.ops = CudaKernels(engine.kernel_policy)
+        self.kernels = CudaKernels(engine.kernel_policy)
         self.graphs_enabled = graphs and engine.device.type == "cuda"
         self._graphs: OrderedDict[tuple[int, ...], _Graph] = OrderedDict()
         self._seen: set[tuple[int, ...]] = set()
@@ -101,8 +103,6 @@ class FusedDecoder:
         self._share_dropped = False
         # Bytes the captured graphs keep allocated (their activations live in a private pool).
         self.graph_bytes = 0
-        # Sandwich placements: x + norm(sublayer) (rms_norm mode 1) or norm(sublayer + x) (mode 2).
-        self._post_mode = 1 if self.cfg.norm_placement == "sandwich_out" else 2
         self._supported = self._kernels_cover()
         w = self.engine.weights
         self._gate_weight = None if w.exit_gate_weight is None else w.exit_gate_weight.float().reshape(1, -1)
@@ -168,7 +168,7 @@ class FusedDecoder:
             return None
         positions = (begin[:, None] + torch.arange(T)[None, :]).reshape(-1)
         dev = self.engine.device
-        if l2_residency.SHARE_OFF_DURING_PREFILL and self.ops.int4_rows_on_cublas(B * T):
+        if l2_residency.SHARE_OFF_DURING_PREFILL and self.kernels.int4_rows_on_cublas(B * T):
             self._drop_share()
         if resume is not None:
             resume = (resume[0].to(dev, self.engine.dtype), resume[1].to(dev, self.engine.dtype))
@@ -282,7 +282,7 @@ class FusedDecoder:
         to dequantize it, and its GEMMs read the 16-bit copies, which the window does not cover). On the H200
         this alone did not remove the prefill cost of L2 residency (still +3-7 % on a body that
         fits): the persisting share itself takes L2 from the GEMMs (see l2_residency.SHARE_OFF_DURING_PREFILL)."""
-        return None if self.ops.int4_rows_on_cublas(rows) else self.engine.l2_window
+        return None if self.kernels.int4_rows_on_cublas(rows) else self.engine.l2_window
 
     def _capture_stream(self) -> torch.cuda.Stream:
         """The stream graphs are captured from, one per decoder; it carries the engine's L2 window (if any)
@@ -296,7 +296,7 @@ class FusedDecoder:
     def _dense_body_scope(self, rows: int, loops_run: int) -> Iterator[None]:
         """Around a step whose matmuls go to cuBLAS (a prefill) and that runs the body more than once: the
         body's INT4 matrices dequantized once for all loops, where their 16-bit copies fit the budget."""
-        cublas_step = self.ops.int4_rows_on_cublas(rows)
+        cublas_step = self.kernels.int4_rows_on_cublas(rows)
         if not (self._reuse_dense_body and cublas_step and loops_run > 1):
             yield
             return
@@ -316,114 +316,112 @@ class FusedDecoder:
         resume: tuple[torch.Tensor, torch.Tensor] | None = None,
         start_loop: int = 0,
     ) -> ForwardOutput:
+        """The model's forward over `_FusedOps` (under graph capture: recorded once, replayed as kernels)."""
         with self._dense_body_scope(tokens.numel(), loops - start_loop):
-            cfg, w, eng = self.cfg, self.engine.weights, self.engine
-            B, T = tokens.shape
-            if resume is None:
-                x = embed(w, cfg, tokens, eng.dtype).reshape(B * T, cfg.d_model)
-                for i, lw in enumerate(w.prelude):
-                    x = self._layer(x, lw, cache, prelude_slot(cfg, i), positions, T)
-                p = x
-                s = initial_state(cfg, p, positions, eng.noise)
-            else:
-                s = resume[0].reshape(B * T, cfg.d_model)
-                p = resume[1].reshape(B * T, cfg.d_model)
-            gates: list[torch.Tensor] = []
-            for t in range(start_loop, loops):
-                if cfg.injection == "add":
-                    h = self.ops.add(s, p)
-                elif cfg.injection == "concat":
-                    assert w.adapter is not None
-                    h = self.ops.fused_linear(torch.cat((s, p), dim=-1), w.adapter)
-                else:
-                    h = s
-                for j, lw in enumerate(w.body):
-                    h = self._layer(h, lw, cache, body_slot(cfg, t, j), positions, T)
-                if cfg.loop_norm == "every_loop":
-                    assert w.final_norm is not None
-                    h = self.ops.rms_norm(h, w.final_norm.weight, cfg.norm_eps)
-                s = h
-                if w.exit_gate_weight is not None:
-                    gates.append(self._gate_logit(s).view(B, T))
-            x = s
-            if cfg.loop_norm == "after_loop":
-                assert w.final_norm is not None
-                x = self.ops.rms_norm(x, w.final_norm.weight, cfg.norm_eps)
-            for i, lw in enumerate(w.coda):
-                x = self._layer(x, lw, cache, coda_slot(cfg, i), positions, T)
-            rows = x.view(B, T, -1)[:, -1] if last_only else x
-            head_norm = w.final_norm.weight if cfg.head_norm and w.final_norm is not None else None
-            logits = self.ops.fused_linear(
-                rows,
-                w.head,
-                norm_weight=head_norm,
-                eps=cfg.norm_eps,
-                out_dtype=torch.float32,
-            )
-            if cfg.logit_scale != 1.0:
-                logits = logits * cfg.logit_scale
-            return ForwardOutput(
-                logits=logits.view(B, 1 if last_only else T, -1),
-                gates=gates,
-                loop_state=s.view(B, T, -1),
-                prelude_out=p.view(B, T, -1),
-            )
+            ops = _FusedOps(self, cache, positions, tokens.shape[0], tokens.shape[1], last_only)
+            return run(ops, self.engine.weights, self.cfg, tokens, loops, resume=resume, start_loop=start_loop)
 
     def _gate_logit(self, s: torch.Tensor) -> torch.Tensor:
         """The exit gate's logit per row in float32: for decode-sized steps one matvec launch in the PDL
-        chain (instead of four torch launches that each break it), else as model/looped.py computes it."""
-        if s.shape[0] > self.ops.policy.matvec_max_rows or self._gate_weight is None:
+        chain (instead of four torch launches that each break it), else as model/ops.py computes it."""
+        if s.shape[0] > self.kernels.policy.matvec_max_rows or self._gate_weight is None:
             return gate_logit(self.engine.weights, s)
-        return self.ops.fused_linear(s, self._gate_weight, bias=self._gate_bias, out_dtype=torch.float32).squeeze(-1)
-
-    def _layer(
-        self, x: torch.Tensor, lw: LayerWeights, cache: KVCache, slot: int, positions: torch.Tensor, T: int
-    ) -> torch.Tensor:
-        cfg, eng = self.cfg, self.engine
-        qkv = self.ops.fused_linear(
-            x,
-            lw.qkv,
-            norm_weight=lw.attn_norm.weight,
-            eps=cfg.norm_eps,
-            bias=self._qkv_bias[id(lw)],
+        return self.kernels.fused_linear(s, self._gate_weight, bias=self._gate_bias, out_dtype=torch.float32).squeeze(
+            -1
         )
-        k_cache, v_cache = cache.k[slot], cache.v[slot]
-        if T == 1 and ROPE_ATTENTION_ONE_KERNEL:
-            attn = self.ops.rope_attention(
-                qkv, k_cache, v_cache, positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                cfg.rope_pairing == "interleaved",
-            )  # fmt: skip
-            return self._layer_rest(x, lw, attn)
-        q = self.ops.rope_store(
-            qkv, k_cache, v_cache, positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, T,
-            cfg.rope_pairing == "interleaved",
-        )  # fmt: skip
-        if T <= FUSED_ATTENTION_MAX_TOKENS:
-            attn = self.ops.cached_attention(q, k_cache, v_cache, positions, T)
-        else:
-            B = x.shape[0] // T
-            qh = q.view(B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
-            policy = self.ops.policy
-            out = sdpa(qh, k_cache[:, :, :T], v_cache[:, :, :T], causal=True, gqa=cfg.n_heads != cfg.n_kv_heads,
-                       math_only=policy.sdpa_math_only, cudnn=policy.sdpa_cudnn)  # fmt: skip
-            attn = out.transpose(1, 2).reshape(B * T, cfg.q_dim)
-        return self._layer_rest(x, lw, attn)
 
-    def _layer_rest(self, x: torch.Tensor, lw: LayerWeights, attn: torch.Tensor) -> torch.Tensor:
-        """Output projection + residual, then the MLP (norm + gate/up + activation, down + residual)."""
-        cfg = self.cfg
-        if cfg.norm_placement == "pre":
-            x = self.ops.fused_linear(attn, lw.out, residual=x)
-        else:
-            assert lw.attn_post_norm is not None
-            a = self.ops.fused_linear(attn, lw.out)
-            x = self.ops.rms_norm(a, lw.attn_post_norm.weight, cfg.norm_eps, x, self._post_mode)
-        act = self.ops.ACT_SWIGLU if lw.gate_up is not None else self.ops.ACT_GELU
+
+class _FusedOps:
+    """ForwardOps (model/ops.py) of one CUDA step: rows [B * T, d], each op one or two fused launches of the
+    engine's kernels (norms fused into the products that read them, RoPE + cache write + attention in one
+    launch for one-token steps, residuals added in the products' epilogues)."""
+
+    def __init__(self, dec: FusedDecoder, cache: KVCache, positions: torch.Tensor, B: int, T: int,
+                 last_only: bool) -> None:  # fmt: skip
+        self.dec, self.k, self.cache, self.positions = dec, dec.kernels, cache, positions
+        self.cfg, self.eng = dec.cfg, dec.engine
+        self.B, self.T, self.last_only = B, T, last_only
+
+    def embed(self, tokens: torch.Tensor, scale: float) -> torch.Tensor:
+        x = embedding(tokens, self.eng.weights.embed, self.eng.dtype)
+        x = x * scale if scale != 1.0 else x
+        return x.reshape(self.B * self.T, self.cfg.d_model)
+
+    def attention(self, x: torch.Tensor, lw: LayerWeights, slot: int) -> torch.Tensor:
+        cfg, eng, k, T = self.cfg, self.eng, self.k, self.T
+        qkv = k.fused_linear(x, lw.qkv, norm_weight=lw.attn_norm.weight, eps=cfg.norm_eps,
+                             bias=self.dec._qkv_bias[id(lw)])  # fmt: skip
+        k_cache, v_cache = self.cache.k[slot], self.cache.v[slot]
+        interleaved = cfg.rope_pairing == "interleaved"
+        if T == 1 and ROPE_ATTENTION_ONE_KERNEL:
+            return k.rope_attention(qkv, k_cache, v_cache, self.positions, eng.cos, eng.sin, cfg.n_heads,
+                                    cfg.n_kv_heads, cfg.head_dim, interleaved)  # fmt: skip
+        q = k.rope_store(qkv, k_cache, v_cache, self.positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads,
+                         cfg.head_dim, T, interleaved)  # fmt: skip
+        if T <= FUSED_ATTENTION_MAX_TOKENS:
+            return k.cached_attention(q, k_cache, v_cache, self.positions, T)
+        qh = q.view(self.B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
+        policy = k.policy
+        out = sdpa(qh, k_cache[:, :, :T], v_cache[:, :, :T], causal=True, gqa=cfg.n_heads != cfg.n_kv_heads,
+                   math_only=policy.sdpa_math_only, cudnn=policy.sdpa_cudnn)  # fmt: skip
+        return out.transpose(1, 2).reshape(self.B * T, cfg.q_dim)
+
+    def project(
+        self, h: torch.Tensor, w: Weight, residual: torch.Tensor | None = None, *, into_residual: bool = False
+    ) -> torch.Tensor:
+        if residual is None:
+            return self.k.fused_linear(h, w)
+        if into_residual:
+            return self.k.fused_linear(h, w, residual=residual, into_residual=True)
+        return self.k.fused_linear(h, w, residual=residual)
+
+    def post_norm(self, y: torch.Tensor, n: Norm, residual: torch.Tensor, *, sum_first: bool) -> torch.Tensor:
+        # rms_norm mode 1: residual + norm(y); mode 2: norm(y + residual)
+        return self.k.rms_norm(y, n.weight, self.cfg.norm_eps, residual, 2 if sum_first else 1)
+
+    def mlp_in(self, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+        act = self.k.ACT_SWIGLU if lw.gate_up is not None else self.k.ACT_GELU
         up = lw.gate_up if lw.gate_up is not None else lw.up
         assert up is not None
-        h = self.ops.fused_linear(x, up, norm_weight=lw.mlp_norm.weight, eps=cfg.norm_eps, act=act)
-        if cfg.norm_placement == "pre":
-            return self.ops.fused_linear(h, lw.down, residual=x, into_residual=True)  # x is this layer's own
-        assert lw.mlp_post_norm is not None
-        m = self.ops.fused_linear(h, lw.down)
-        return self.ops.rms_norm(m, lw.mlp_post_norm.weight, cfg.norm_eps, x, self._post_mode)
+        return self.k.fused_linear(x, up, norm_weight=lw.mlp_norm.weight, eps=self.cfg.norm_eps, act=act)
+
+    def norm(self, x: torch.Tensor, n: Norm) -> torch.Tensor:
+        return self.k.rms_norm(x, n.weight, self.cfg.norm_eps)
+
+    def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.k.add(a, b)
+
+    def concat_project(self, state: torch.Tensor, prelude_out: torch.Tensor, adapter: Weight) -> torch.Tensor:
+        return self.k.fused_linear(torch.cat((state, prelude_out), dim=-1), adapter)
+
+    def zeros_state(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(like)
+
+    def noise_state(self, like: torch.Tensor) -> torch.Tensor:
+        assert self.eng.noise is not None, "random state start needs the noise table"
+        return self.eng.noise[self.positions].to(like.dtype)
+
+    def keep(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gate(self, state: torch.Tensor) -> torch.Tensor:
+        return self.dec._gate_logit(state).view(self.B, self.T)
+
+    def head(self, x: torch.Tensor, n: Norm | None, scale: float) -> torch.Tensor:
+        rows = x.view(self.B, self.T, -1)[:, -1] if self.last_only else x
+        logits = self.k.fused_linear(rows, self.eng.weights.head, norm_weight=None if n is None else n.weight,
+                                     eps=self.cfg.norm_eps, out_dtype=torch.float32)  # fmt: skip
+        if scale != 1.0:
+            logits = logits * scale
+        return logits.view(self.B, 1 if self.last_only else self.T, -1)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x.view(self.B, self.T, -1)
+
+    def where_rows(self, take_new: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        keep_new = take_new.repeat_interleave(self.T).view(-1, 1)
+        return torch.where(keep_new, new, old)
+
+    def resume(self, state: torch.Tensor, prelude_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.cfg.d_model
+        return state.reshape(self.B * self.T, d), prelude_out.reshape(self.B * self.T, d)
