@@ -32,6 +32,16 @@ MAX_REL_FROB = 2e-5
 GREEDY_TOKENS = 32
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _empty_cache() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def rel(a: Any, b: Any) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
@@ -48,9 +58,11 @@ def teacher_forced(model: Any, ids: np.ndarray, prompt: int, steps: int, loops: 
     return np.stack(out)
 
 
-def compare(path: str, ids: np.ndarray, prompts: list[np.ndarray], loops: int, **gpu_kw: Any) -> dict[str, Any]:
+def compare(
+    path: str, ids: np.ndarray, prompts: list[np.ndarray], loops: int, device: str, **gpu_kw: Any
+) -> dict[str, Any]:
     cpu = tinyloop.Model(path, max_seq_len=512, device="cpu")
-    gpu = tinyloop.Model(path, max_seq_len=512, device="cuda", **gpu_kw)
+    gpu = tinyloop.Model(path, max_seq_len=512, device=device, **gpu_kw)
     res: dict[str, Any] = {
         "prefill_rel_frob": rel(gpu.score(ids, loops=loops), cpu.score(ids, loops=loops)),
         "short_prefill_rel_frob": rel(gpu.score(ids[:12], loops=loops), cpu.score(ids[:12], loops=loops)),
@@ -65,20 +77,22 @@ def compare(path: str, ids: np.ndarray, prompts: list[np.ndarray], loops: int, *
     ]
     gpu.close()
     cpu.close()
-    torch.cuda.empty_cache()
+    _empty_cache()
     errors = [res[k] for k in ("prefill_rel_frob", "short_prefill_rel_frob", "graph_decode_rel_frob")]
     res["ok"] = max(errors) <= MAX_REL_FROB and res["graph_decode_argmax_agree"] == 1.0 and all(res["greedy_identical"])
     return res
 
 
-def seed_decode(path: str, loops: int = 8, prompt_len: int = 128, new: int = 128, repeat: int = 5) -> dict[str, Any]:
-    m = tinyloop.Model(path, max_seq_len=1024, device="cuda")
+def seed_decode(
+    path: str, device: str, loops: int = 8, prompt_len: int = 128, new: int = 128, repeat: int = 5
+) -> dict[str, Any]:
+    m = tinyloop.Model(path, max_seq_len=1024, device=device)
     prompt = np.random.default_rng(1).integers(0, m.config["vocab_size"], prompt_len).astype(np.int32)
     for _ in range(2):
         m.generate(prompt, new, loops=loops, temperature=0.0)  # compiles, captures the decode graph
     decodes = []
     for _ in range(repeat):
-        torch.cuda.synchronize()
+        _sync()
         m.generate(prompt, new, loops=loops, temperature=0.0)
         st = m.last_stats
         decodes.append(st.decode_s / max(st.generated_tokens - 1, 1) * new)
@@ -89,14 +103,14 @@ def seed_decode(path: str, loops: int = 8, prompt_len: int = 128, new: int = 128
     raws = []
     for _ in range(repeat + 1):
         cache.truncate(prompt_len)
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         for _ in range(new):
             eng.step(tok, cache, loops, last_only=True)
-        torch.cuda.synchronize()
+        _sync()
         raws.append(time.perf_counter() - t)
     m.close()
-    torch.cuda.empty_cache()
+    _empty_cache()
     return {
         "decode_128_after_128_ms": 1e3 * statistics.median(decodes),
         "decode_128_runs_ms": [1e3 * d for d in decodes],
@@ -104,8 +118,8 @@ def seed_decode(path: str, loops: int = 8, prompt_len: int = 128, new: int = 128
     }
 
 
-def tiny_decode(loops: int = 8, new: int = 64, repeat: int = 5) -> dict[str, Any]:
-    m = tinyloop.Model("tiny", max_seq_len=512, device="cuda")
+def tiny_decode(device: str, loops: int = 8, new: int = 64, repeat: int = 5) -> dict[str, Any]:
+    m = tinyloop.Model("tiny", max_seq_len=512, device=device)
     prompt = np.frombuffer(b"def fibonacci(n):\n    " * 3, dtype=np.uint8)[:64].astype(np.int32)
     for _ in range(2):
         m.generate(prompt, new, loops=loops, temperature=0.0)
@@ -121,34 +135,38 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu_check.json"))
     parser.add_argument("--seed-path", default="/tmp/seed-407m.tinyloop")
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke test of the script itself")
+    parser.add_argument("--skip-seed", action="store_true", help="the built-in model only (smoke test)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
-    if not Path(args.seed_path).exists():
+    if not args.skip_seed and not Path(args.seed_path).exists():
         cmd = ["tinyloop-convert", "--random", "--preset", "seed-407m", "--bits", "4", "-o", args.seed_path]
         subprocess.run(cmd, check=True)
     import triton
 
     res: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
     }
     tiny_text = b"import os\nimport sys\n\n\ndef main(argv):\n    " * 8
     ids = np.frombuffer(tiny_text[:200], dtype=np.uint8).astype(np.int32)
     prompts = [np.frombuffer(p.encode(), dtype=np.uint8).astype(np.int32) for p in ("def fibonacci(n):", "class S:\n ")]
-    res["tiny"] = compare("tiny", ids, prompts, 8)
+    res["tiny"] = compare("tiny", ids, prompts, 8, device)
     print("tiny", json.dumps(res["tiny"]), flush=True)
-    sid = np.random.default_rng(0).integers(0, 32000, 120).astype(np.int32)
-    res["seed407m_f32"] = compare(args.seed_path, sid, [sid[:16]], 8, dtype=torch.float32)
-    print("seed407m_f32", json.dumps(res["seed407m_f32"]), flush=True)
-    res["seed407m_decode"] = seed_decode(args.seed_path)
-    print("seed407m_decode", json.dumps(res["seed407m_decode"]), flush=True)
-    res["tiny_decode"] = tiny_decode()
+    if not args.skip_seed:
+        sid = np.random.default_rng(0).integers(0, 32000, 120).astype(np.int32)
+        res["seed407m_f32"] = compare(args.seed_path, sid, [sid[:16]], 8, device, dtype=torch.float32)
+        print("seed407m_f32", json.dumps(res["seed407m_f32"]), flush=True)
+        res["seed407m_decode"] = seed_decode(args.seed_path, device)
+        print("seed407m_decode", json.dumps(res["seed407m_decode"]), flush=True)
+    res["tiny_decode"] = tiny_decode(device)
     print("tiny_decode", json.dumps(res["tiny_decode"]), flush=True)
-    res["ok"] = res["tiny"]["ok"] and res["seed407m_f32"]["ok"]
+    res["ok"] = res["tiny"]["ok"] and (args.skip_seed or res["seed407m_f32"]["ok"])
     res["wall_s"] = time.perf_counter() - t0
     args.out.write_text(json.dumps(res, indent=1))
     print(f"gpu_check: {'OK' if res['ok'] else 'FAILED'} in {res['wall_s']:.0f} s -> {args.out}")
