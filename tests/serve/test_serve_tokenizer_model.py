@@ -42,3 +42,21 @@ def test_chat_uses_the_template_and_streams_the_same_text(ouro: tuple[tinyloop.M
     tokenized = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()
     assert tokenized["tokens"] == ids.tolist()
     assert httpx.post(f"{url}/tokenize", json={"prompt": "héllo"}).json()["tokens"] == model.encode("héllo").tolist()
+
+
+def test_lens_shows_each_tokens_text_and_bytes(ouro: tuple[tinyloop.Model, str]) -> None:
+    model, url = ouro
+    text = "héllo wörld €😀"
+    body = httpx.post(f"{url}/v1/lens", json={"prompt": text, "loops": 2, "top_k": 2}, timeout=60).json()
+    tokens = body["tokens"]
+    assert [t["id"] for t in tokens] == model.encode(text).tolist()
+    lens = model.score_logit_lens(model.encode(text), loops=2)
+    assert [[row["top"][0]["id"] for row in p["iterations"]] for p in body["positions"]] == lens.argmax(-1).T.tolist()
+    spelled = b"".join(bytes(t["bytes"]) for t in tokens if t["id"] != model.tokenizer.meta.bos_id)
+    assert spelled.decode("utf-8") == text  # every token's bytes are known, partial ones included
+    assert any(t["partial"] for t in tokens)  # the emoji's bytes are split over byte-level tokens
+    for t in tokens:
+        if t["partial"]:
+            assert t["text"] == "".join(f"\\x{b:02X}" for b in t["bytes"])
+        elif t["id"] != model.tokenizer.meta.bos_id:
+            assert t["text"] == model.decode([t["id"]]) and "\ufffd" not in t["text"]

@@ -20,11 +20,13 @@ import anyio
 import numpy as np
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
 from tinyloop.serve.engine import ServeEngine
 from tinyloop.serve.errors import APIError, error_body
+from tinyloop.serve.explorer import STATIC, LensRequest, lens_report, sequence_ids, trajectory_report
 from tinyloop.serve.generation import ChoiceRunner, End, Piece
 from tinyloop.serve.metrics import ServerMetrics
 from tinyloop.serve.protocol import (
@@ -181,7 +183,39 @@ def create_app(
         k = (req.top_logprobs or 0) if req.logprobs else None
         return await _serve(state, runner, http, req, [prompt], "chat.completion", None, k)
 
+    @app.get("/", include_in_schema=False)
+    def explorer_page() -> Response:
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+
+    async def scored(req: LensRequest, report: Callable[[np.ndarray], dict[str, Any]]) -> dict[str, Any]:
+        state.ready()
+        if req.model is not None and req.model != state.name:
+            raise APIError(404, f"the model '{req.model}' does not exist; this server serves '{state.name}'",
+                           param="model", code="model_not_found")  # fmt: skip
+        try:
+            ids = sequence_ids(state.model, state.codec, req)
+            body = await anyio.to_thread.run_sync(report, ids)  # the model's lock serialises it with decode steps
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=_param_of_lens(str(exc))) from None
+        return {**body, "model": state.name}
+
+    @app.post("/v1/lens", dependencies=[Depends(authorize)])
+    async def lens(req: LensRequest) -> dict[str, Any]:
+        return await scored(req, lambda ids: lens_report(state.model, state.codec, ids, req.loops, req.top_k))
+
+    @app.post("/v1/trajectory", dependencies=[Depends(authorize)])
+    async def trajectory(req: LensRequest) -> dict[str, Any]:
+        return await scored(req, lambda ids: trajectory_report(state.model, state.codec, ids, req.loops))
+
     return app
+
+
+def _param_of_lens(message: str) -> str:
+    if message.startswith("loops"):
+        return "loops"
+    return "tokens" if message.startswith(("token", "the sequence")) else "prompt"
 
 
 async def _serve(
@@ -228,7 +262,17 @@ async def _serve(
     events = runner.merged(requests, arrival)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        sse = _sse(state, kind, meta, events, len(requests), prompt_tokens, include_usage, logprobs)
+        sse = _sse(
+            state,
+            kind,
+            meta,
+            events,
+            len(requests),
+            prompt_tokens,
+            include_usage,
+            logprobs,
+            bool(getattr(req, "return_token_ids", False)),
+        )
         return StreamingResponse(sse, media_type="text/event-stream")
     texts = ["" for _ in requests]
     records: list[list[Any]] = [[] for _ in requests]
@@ -269,7 +313,10 @@ async def _sse(
     prompt_tokens: int,
     include_usage: bool,
     logprobs: int | None,
+    token_ids: bool = False,
 ) -> AsyncIterator[str]:
+    """The SSE stream. token_ids (tinyloop's extension): each chunk's choice also carries the ids of the
+    tokens it holds, and the finishing chunk `token_loops`, the iterations each generated token ran."""
     chunk_kind = "text_completion" if kind == "text_completion" else "chat.completion.chunk"
     extra = {"usage": None} if include_usage else {}
 
@@ -295,11 +342,13 @@ async def _sse(
                     pairs = list(zip(event.tokens, event.logprobs, strict=False))
                     lp = (completion_logprobs(state.codec, pairs, logprobs) if kind == "text_completion"
                           else chat_logprobs(state.codec, pairs))  # fmt: skip
-                if event.text or lp is not None:
-                    yield chunk(choice(event.index, event.text, None, lp))
+                if event.text or lp is not None or (token_ids and event.tokens):
+                    body = choice(event.index, event.text, None, lp)
+                    yield chunk({**body, "token_ids": event.tokens} if token_ids else body)
             else:
                 stats.append(event.stats)
-                yield chunk(choice(event.index, None, event.finish_reason))
+                body = choice(event.index, None, event.finish_reason)
+                yield chunk({**body, "token_loops": event.stats.token_loops} if token_ids else body)
         if include_usage:
             body = {**meta, "object": chunk_kind, "choices": [], "usage": usage(prompt_tokens, stats)}
             yield f"data: {json.dumps(body)}\n\n"

@@ -35,7 +35,8 @@ __all__ = ["QueueFullError", "RequestStats", "ServeEngine", "ServedRequest"]
 @dataclass
 class RequestStats:
     """What one request reports: tokens in and out, mean loops per generated token, tokens that stopped
-    iterating early, prompt tokens served by the prefix pool, and (when asked) each token's logprobs."""
+    iterating early, prompt tokens served by the prefix pool, (when asked) each token's logprobs, and the
+    iterations each generated token ran."""
 
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -43,6 +44,7 @@ class RequestStats:
     early_exit_tokens: int = 0
     prefix_hit_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    token_loops: list[int] = field(default_factory=list)
 
 
 class ServedRequest(Protocol):
@@ -80,7 +82,7 @@ class ScheduledRequest:
         s = self.handle.stats
         early = sum(1 for d in s.token_loops if d < self._loops) if self._exits else 0
         return RequestStats(s.prompt_tokens, s.generated_tokens, s.loops_per_token, early, s.prefix_hit_tokens,
-                            s.logprobs)  # fmt: skip
+                            s.logprobs, list(s.token_loops))  # fmt: skip
 
     @property
     def finish_reason(self) -> str | None:
@@ -163,6 +165,7 @@ class ExitRuleRequest:
                 close()
             depths = list(getattr(self._family_stats, "exit_depths", []))[: self.stats.generated_tokens]
             if depths:
+                self.stats.token_loops = depths
                 self.stats.loops_per_token = sum(depths) / len(depths)
                 self.stats.early_exit_tokens = sum(1 for d in depths if d < self._loops)
             self._done.set()

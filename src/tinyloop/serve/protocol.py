@@ -53,6 +53,7 @@ class SamplingRequest(BaseModel):
     l_warmup_tokens: int = 0
     l_warmup_loops: int = 2
     regex: str | None = None
+    return_token_ids: bool = False  # streams: each chunk's token ids and, at the end, each token's loops
 
 
 class CompletionRequest(SamplingRequest):
