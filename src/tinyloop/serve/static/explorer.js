@@ -120,7 +120,7 @@ function renderHeatmap(lens) {
   }
   for (let t = 0; t < T; t++) {
     const label = svgEl("text", { x: left + t * cw + cw / 2, y: top + L * ch + 14, "text-anchor": "middle" }, svg);
-    label.textContent = visible(lens.tokens[t].text).slice(0, 3);
+    label.textContent = visible(lens.tokens[t].text).slice(0, 4);
   }
 }
 
@@ -231,6 +231,7 @@ async function streamCompletion(body, onChunk) {
 
 async function run() {
   $("run").disabled = true;
+  document.body.dataset.done = "0";
   state.genIds = [];
   state.genLoops = [];
   state.fullLens = null;
