@@ -70,6 +70,11 @@ def test_the_page_streams_and_shows_the_lens(browser: Any, tiny_model: tinyloop.
     assert browser.find_elements(By.CSS_SELECTOR, "#output .token.prompt")[-1].text == "\\xA9"  # é's 2nd byte
     cells = browser.find_elements(By.CSS_SELECTOR, "#heatmap rect.cell")
     assert len(cells) == LOOPS * ids.size
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    ActionChains(browser).move_to_element(cells[ids.size + 1]).perform()  # iteration 2, position 1 ("h")
+    hover = browser.find_element(By.ID, "hover").text
+    assert "iteration 2, position 1" in hover and 'input   "h"' in hover
 
     sequence = np.concatenate([ids, expected])
     lens = tiny_model.score_logit_lens(sequence, loops=LOOPS)
