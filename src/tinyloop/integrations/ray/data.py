@@ -87,7 +87,8 @@ def run_ray_job(
     ds = ray.data.from_items(items, override_num_blocks=max(1, min(len(items), 4 * replicas)))
     kwargs = {"model": model, "task": settings.task, "model_options": dict(model_options or {})}
     kwargs |= {k: v for k, v in vars(settings).items() if k != "task"}
-    done = ds.map_batches(TinyLoopPredictor, fn_constructor_kwargs=kwargs, concurrency=replicas, num_gpus=num_gpus,
+    pool = ray.data.ActorPoolStrategy(size=replicas)
+    done = ds.map_batches(TinyLoopPredictor, fn_constructor_kwargs=kwargs, compute=pool, num_gpus=num_gpus,
                           batch_size=batch_rows, batch_format="pyarrow").materialize()  # fmt: skip
     results = done.filter(lambda r: r["error"] is None).drop_columns(["error"])
     out.mkdir(parents=True, exist_ok=True)
