@@ -52,6 +52,7 @@ SLOW_TESTS = (
     "jobs/test_batch_job.py::test_200_mixed_rows_equal_generate_row_by_row_and_bad_rows_go_to_the_errors_file",
     "jobs/test_batch_job.py::test_scoring_tasks_equal_the_introspection_api",
     "jobs/test_batch_job.py::test_interrupted_job_resumes_to_the_same_output",
+    "jobs/test_batch_job.py::test_cli_job_killed_after_its_first_shard_resumes_to_the_same_output",
     "integrations/test_ray_data.py::test_ray_job_equals_the_local_job",
     "integrations/test_ray_data.py::test_predictor_in_map_batches_on_a_users_dataset",
     "integrations/test_ray_serve.py::test_ray_serve_answers_the_openai_client_like_the_single_server",

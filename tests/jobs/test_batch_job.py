@@ -155,3 +155,33 @@ def test_cli_writes_parquet_from_parquet_and_errors_are_one_line(tmp_path, capsy
     assert err.count("\n") == 0 and "already holds a job; pass --resume" in err
     assert main(["tiny", "batch", str(tmp_path / "missing.jsonl"), str(tmp_path / "o2"), "--no-progress"]) == 1
     assert "no such input file" in capsys.readouterr().err
+
+
+def test_cli_job_killed_after_its_first_shard_resumes_to_the_same_output(tmp_path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    source = write_jsonl(tmp_path / "in.jsonl", mixed_rows(24))
+    options = ["--max-tokens", "6", "--loops", "2", "--shard-rows", "4", "--no-progress", "--max-seq-len", "64"]
+    env = {**os.environ, "PYTHONPATH": str(Path(tinyloop.__file__).parents[1])}
+
+    def batch(out: str, *extra: str) -> subprocess.Popen[bytes]:
+        argv = [sys.executable, "-m", "tinyloop.cli.main", "tiny", "batch", str(source), str(tmp_path / out)]
+        return subprocess.Popen([*argv, *options, *extra], env=env, stderr=subprocess.PIPE)
+
+    job = batch("cut")
+    deadline = time.monotonic() + 120
+    while not (tmp_path / "cut" / "part-00000.parquet").exists():
+        assert job.poll() is None and time.monotonic() < deadline, "the job ended or stalled before its first shard"
+        time.sleep(0.05)
+    job.send_signal(signal.SIGKILL)
+    job.wait(30)
+    assert not (tmp_path / "cut" / "part-00005.parquet").exists()  # it really stopped mid-way
+    assert batch("cut", "--resume").wait(120) == 0
+    assert batch("whole").wait(120) == 0
+    assert list(iter_results(tmp_path / "cut")) == list(iter_results(tmp_path / "whole"))
+    assert (tmp_path / "cut" / ERRORS).read_text() == (tmp_path / "whole" / ERRORS).read_text()
+    assert not [p.name for p in (tmp_path / "cut").rglob("*.tmp")]  # the killed write's temporary file is gone
