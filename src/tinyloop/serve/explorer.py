@@ -22,6 +22,7 @@ from pydantic import BaseModel, Field
 
 STATIC = Path(__file__).absolute().parent / "static"
 MAX_TOP_K = 20
+LENS_CHUNK = 64  # positions whose float64 probabilities are held at once
 
 
 class LensRequest(BaseModel):
@@ -100,12 +101,23 @@ def lens_report(model: Any, codec: Any, ids: np.ndarray, loops: int | None, top_
     the top_k tokens with probabilities, the entropy (nats), KL(this || previous iteration) (nats; None at
     the first) and whether the top-1 changed from the previous iteration."""
     logits = model.score_logit_lens(ids, loops=loops)  # [L, T, V] float32
-    logp = _log_softmax(logits.astype(np.float64))
-    probs = np.exp(logp)
-    entropy = -(probs * logp).sum(-1)  # [L, T]
-    kl = (probs[1:] * (logp[1:] - logp[:-1])).sum(-1)  # [L-1, T]
-    k = min(top_k, logits.shape[-1])
-    top = np.argsort(-logits, axis=-1, kind="stable")[..., :k]  # [L, T, k]
+    n_loops, length, vocab = logits.shape
+    k = min(top_k, vocab)
+    entropy = np.empty((n_loops, length))
+    kl = np.empty((n_loops - 1, length))
+    top = np.empty((n_loops, length, k), dtype=np.int64)
+    top_probs = np.empty((n_loops, length, k))
+    for start in range(0, length, LENS_CHUNK):  # float64 temporaries for a few positions at a time
+        span = slice(start, start + LENS_CHUNK)
+        block = logits[:, span].astype(np.float64)
+        logp = _log_softmax(block)
+        probs = np.exp(logp)
+        entropy[:, span] = -(probs * logp).sum(-1)
+        kl[:, span] = (probs[1:] * (logp[1:] - logp[:-1])).sum(-1)
+        candidates = np.argpartition(-block, k - 1, axis=-1)[..., :k]
+        order = np.argsort(-np.take_along_axis(block, candidates, -1), axis=-1, kind="stable")
+        top[:, span] = np.take_along_axis(candidates, order, -1)
+        top_probs[:, span] = np.take_along_axis(probs, top[:, span], -1)
     infos: dict[int, dict[str, Any]] = {}
 
     def info(token: int) -> dict[str, Any]:
@@ -113,7 +125,6 @@ def lens_report(model: Any, codec: Any, ids: np.ndarray, loops: int | None, top_
             infos[token] = token_info(codec, token)
         return infos[token]
 
-    n_loops, length = logits.shape[0], logits.shape[1]
     top1 = top[..., 0]  # [L, T]
     changed = np.zeros_like(top1, dtype=bool)
     changed[1:] = top1[1:] != top1[:-1]
@@ -123,7 +134,7 @@ def lens_report(model: Any, codec: Any, ids: np.ndarray, loops: int | None, top_
     for t in range(length):
         rows = []
         for i in range(n_loops):
-            tops = [{**info(int(j)), "prob": float(probs[i, t, j])} for j in top[i, t]]
+            tops = [{**info(int(j)), "prob": float(p)} for j, p in zip(top[i, t], top_probs[i, t], strict=True)]
             kl_prev = float(kl[i - 1, t]) if i > 0 else None
             rows.append({"top": tops, "entropy": float(entropy[i, t]), "kl_prev": kl_prev,
                          "top1_changed": bool(changed[i, t])})  # fmt: skip
