@@ -90,14 +90,26 @@ def run_ray_job(
     pool = ray.data.ActorPoolStrategy(size=replicas)
     done = ds.map_batches(TinyLoopPredictor, fn_constructor_kwargs=kwargs, compute=pool, num_gpus=num_gpus,
                           batch_size=batch_rows, batch_format="pyarrow").materialize()  # fmt: skip
-    results = done.filter(lambda r: r["error"] is None).drop_columns(["error"])
+    results = done.map_batches(_results, batch_format="pyarrow")
     out.mkdir(parents=True, exist_ok=True)
     results.write_parquet(str(out))
-    errors = sorted(done.filter(lambda r: r["error"] is not None).take_all(), key=lambda r: r["row"])
+    errors = sorted(done.map_batches(_errors, batch_format="pyarrow").take_all(), key=lambda r: r["row"])
     with atomic_output(out / ERRORS) as tmp:
         text = "".join(json.dumps({"row": e["row"], "id": e["id"], "reason": e["error"]}) + "\n" for e in errors)
         tmp.write_text(text, encoding="utf-8")
     return JobSummary(len(rows), len(rows) - len(errors), len(errors), 0, 0, time.perf_counter() - start)
+
+
+def _results(table: Any) -> Any:
+    import pyarrow.compute as pc
+
+    return table.filter(pc.is_null(table["error"])).drop_columns(["error"])
+
+
+def _errors(table: Any) -> Any:
+    import pyarrow.compute as pc
+
+    return table.filter(pc.is_valid(table["error"])).select(["row", "id", "error"])
 
 
 def _batch_rows(batch: Any) -> list[dict[str, Any]]:
