@@ -144,7 +144,18 @@ def main() -> int:
         return 2
     t0 = time.perf_counter()
     if not args.skip_seed and not Path(args.seed_path).exists():
-        cmd = ["tinyloop-convert", "--random", "--preset", "seed-407m", "--bits", "4", "-o", args.seed_path]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tinyloop.cli.convert",
+            "--random",
+            "--preset",
+            "seed-407m",
+            "--bits",
+            "4",
+            "-o",
+            args.seed_path,
+        ]
         subprocess.run(cmd, check=True)
     import triton
 
