@@ -2,7 +2,7 @@
 
 Starts the server in this process (uvicorn on 127.0.0.1, a free port) around a model (default: the
 built-in `tiny`), then N concurrent streaming clients send M greedy completion requests in total, drawn
-from U distinct prompts. Each output must equal that prompt's single-request output (Model.generate,
+from U distinct prompts. Each output (its token ids) must equal that prompt's single-request output (Model.generate,
 computed first): a lost, cut or mixed-up request fails the run. Reports requests/s, generated tokens/s,
 TTFT and latency percentiles (client-side), and the server's running / waiting requests and the process
 RSS after the run against after the warm-up.
@@ -75,12 +75,15 @@ def engine_only(
         return tokens[0] / (time.perf_counter() - t0)
 
 
-async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[str, float, float, int]:
+async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> tuple[list[int], float, float, int]:
+    """The streamed token ids (tinyloop's return_token_ids extension: exact for any vocabulary, where a model
+    without a tokenizer has no text for ids past 256), the time to the first token, the latency and the count."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+            "stream_options": {"include_usage": True}, "return_token_ids": True}  # fmt: skip
     t0 = time.perf_counter()
     ttft = None
-    text, tokens = [], 0
+    ids: list[int] = []
+    tokens = 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()!r}")
@@ -90,12 +93,14 @@ async def one_request(client: httpx.AsyncClient, prompt: str, max_tokens: int) -
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"]["message"])
-            if chunk["choices"] and chunk["choices"][0]["text"]:
+            if chunk["choices"] and chunk["choices"][0].get("token_ids"):
                 ttft = ttft if ttft is not None else time.perf_counter() - t0
-                text.append(chunk["choices"][0]["text"])
+                ids.extend(chunk["choices"][0]["token_ids"])
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
-    return "".join(text), ttft or 0.0, time.perf_counter() - t0, tokens
+    if ttft is None:
+        raise RuntimeError(f"no token streamed for prompt {prompt!r}")
+    return ids, ttft, time.perf_counter() - t0, tokens
 
 
 async def run_clients(url: str, jobs: list[str], clients: int, max_tokens: int, limit_s: float) -> list[tuple]:
@@ -132,7 +137,7 @@ def main() -> int:
     model = tinyloop.Model(args.model)
     texts = prompts(args.unique)
     print(f"references: {args.unique} prompts through Model.generate alone ...", file=sys.stderr)
-    reference = {p: model.decode(model.generate(model.encode(p), args.max_tokens, temperature=0)) for p in texts}
+    reference = {p: model.generate(model.encode(p), args.max_tokens, temperature=0).tolist() for p in texts}
 
     app = create_app(model, served_model_name="tiny", max_batch=args.max_batch, max_queue=args.requests,
                      max_seq_len=args.max_seq_len)  # fmt: skip
@@ -158,7 +163,7 @@ def main() -> int:
         server.should_exit = True
         thread.join(30)
     baseline = engine_only(model, jobs, args.clients, args.max_tokens, args) if args.baseline else None
-    wrong = [p for p, text, *_ in results if text != reference[p]]
+    wrong = [p for p, ids, *_ in results if ids != reference[p]]
     ttft = np.array([r[2] for r in results]) * 1000
     latency = np.array([r[3] for r in results]) * 1000
     tokens = sum(r[4] for r in results)
