@@ -8,6 +8,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tinyloop.strict_json import unique_keys_hook
+
 FfnKind = Literal["swiglu", "gelu"]
 NormKind = Literal["rmsnorm", "layernorm"]
 # pre: x + f(n(x)); sandwich_sum (Huginn): n2(f(n1(x)) + x); sandwich_out (Ouro): x + n2(f(n1(x)))
@@ -152,13 +154,7 @@ class ArchConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ConfigError(f"config repeats the key {key!r}")
-        out[key] = value
-    return out
+_unique_keys = unique_keys_hook(ConfigError, "config repeats the key {key!r}")
 
 
 # What the runtime can honour. A file outside these ranges is refused at load, before anything is

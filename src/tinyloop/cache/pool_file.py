@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 from tinyloop.config import MAX_LOOPS
 from tinyloop.errors import PrefixPoolFormatError
 from tinyloop.format.atomic import atomic_output
+from tinyloop.strict_json import unique_keys as _unique_keys
 
 FORMAT = "tinyloop-prefix-pool"
 # 2 adds a CRC32 per tensor (verified at load); 1 (no checksums) is still read.
@@ -203,15 +204,6 @@ def load_pool(path: str | os.PathLike[str], model: Any, new_pool: Callable[[int,
     except (OSError, SafetensorError) as exc:
         reader.fail("file", "a readable prefix pool file", f"{type(exc).__name__}: {exc}")
     return pool
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
 
 
 def _show(value: object, limit: int = 120) -> str:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tinyloop.errors import TinyLoopFormatError
+from tinyloop.strict_json import unique_keys as _unique_keys
 
 _ST_DTYPES = {
     "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -69,15 +70,6 @@ class HFFolder:
     @property
     def source_dtypes(self) -> set[str]:
         return {loc.dtype for loc in self.tensors.values()}
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
 
 
 def _read_json(path: Path, root: Path, required: bool, strict: bool = True) -> dict[str, Any] | None:

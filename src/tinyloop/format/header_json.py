@@ -9,26 +9,14 @@ from json.decoder import scanstring  # type: ignore[attr-defined]  # C-accelerat
 from typing import Any, NoReturn
 
 from tinyloop.format.spec import MAX_ENTRY_CHARS, MAX_METADATA_KEYS, MAX_TENSORS, METADATA_JSON_LIMITS
-
-
-class _Dup(ValueError):
-    pass
-
-
-def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise _Dup(f"duplicate key {key!r}")
-        out[key] = value
-    return out
+from tinyloop.strict_json import unique_keys
 
 
 def loads(text: str) -> Any:
-    return json.loads(text, object_pairs_hook=no_duplicates)
+    return json.loads(text, object_pairs_hook=unique_keys)
 
 
-_DECODER = json.JSONDecoder(object_pairs_hook=no_duplicates)
+_DECODER = json.JSONDecoder(object_pairs_hook=unique_keys)
 _WHITESPACE = re.compile(r"[ \t\n\r]*")
 _FIRST_CHAR_TYPE = {"{": "object", "[": "array", '"': "string", "t": "boolean", "f": "boolean", "n": "null"}
 

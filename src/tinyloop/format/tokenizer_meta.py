@@ -10,6 +10,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from tinyloop.strict_json import unique_keys as _unique_keys
+
 TOKENIZER_FORMAT = "hf-tokenizers"
 TOKENIZER_VERSION = 1
 CHAT_TEMPLATES = ("none", "chatml", "huginn")
@@ -63,15 +65,6 @@ class TokenizerMeta:
 
 def _is_id(value: object, vocab_size: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
 
 
 def parse_tokenizer_meta(text: str, vocab_size: int) -> TokenizerMeta:
