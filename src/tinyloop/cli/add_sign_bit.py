@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 
 from tinyloop.cli.args import Parser
-from tinyloop.cli.guard import one_line, run_guarded
-from tinyloop.cli.inspect_cmd import parse_or_exit_code
+from tinyloop.cli.guard import one_line, run_main
 
 PROG = "tinyloop-add-sign-bit"
 
@@ -40,13 +40,10 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_guarded(PROG, lambda: _run(sys.argv[1:] if argv is None else argv))
+    return run_main(PROG, build_parser, _run, argv)
 
 
-def _run(argv: list[str]) -> int:
-    args = parse_or_exit_code(build_parser(), argv)
-    if isinstance(args, int):
-        return args
+def _run(args: argparse.Namespace) -> int:
     if not args.loop_only:
         # Outside the loop a matrix is applied once per token, so a random rounding adds noise that no
         # later iteration averages out.

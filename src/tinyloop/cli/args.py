@@ -39,6 +39,25 @@ def add_dtype_argument(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_device_arguments(p: argparse.ArgumentParser) -> None:
+    """--device, then --dtype."""
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    add_dtype_argument(p)
+
+
+def add_warmup_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--l-warmup-tokens", type=non_negative_int, default=0, help="first N decode steps run shallower")
+    p.add_argument("--l-warmup-L", type=loop_count, default=2, help="loops during the warm-up steps (default: 2)")
+
+
+def parse_or_exit_code(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
+    """Parsed arguments, or the exit code after --help (0) or a usage error (2, already printed on one line)."""
+    try:
+        return parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 2
+
+
 def torch_dtype(name: str, device: str | None = None) -> torch.dtype | None:
     """The --dtype choice as a torch dtype for --device (None: the runtime's default)."""
     import torch
@@ -146,6 +165,16 @@ def refuse_unused(args: argparse.Namespace, defaults: Mapping[str, object], why:
     given = [f"--{dest.replace('_', '-')}" for dest, default in defaults.items() if getattr(args, dest) != default]
     if given:
         raise CliError(f"{', '.join(given)}: {why}")
+
+
+def check_warmup_and_stop(args: argparse.Namespace, loops: int, loops_flag: str) -> None:
+    """--l-warmup-L only with --l-warmup-tokens and at most `loops` (given as `loops_flag`); no empty --stop."""
+    if not args.l_warmup_tokens:
+        refuse_unused(args, {"l_warmup_L": 2}, "the warm-up depth needs --l-warmup-tokens N (N > 0)")
+    if args.l_warmup_tokens and args.l_warmup_L > loops:
+        raise CliError(f"--l-warmup-L ({args.l_warmup_L}) must not exceed {loops_flag} ({loops})")
+    if args.stop is not None and not all(args.stop):
+        raise CliError("--stop must not be empty")
 
 
 def report_grammar_cut(prog: str, finished: bool, max_tokens: int) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from tinyloop.cli.args import (
     CliError,
     Parser,
-    add_dtype_argument,
+    add_device_arguments,
     loop_count,
     non_negative_float,
     non_negative_int,
@@ -43,8 +43,7 @@ def build_parser() -> Parser:
     p.add_argument("--resume", action="store_true", help="finish an interrupted job in OUT (same model and options)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--max-seq-len", type=positive_int, default=None, help="positions per row (default: the model's)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    add_dtype_argument(p)
+    add_device_arguments(p)
     p.add_argument("--ray", action="store_true", help="run over a Ray cluster through Ray Data (the 'ray' extra)")
     p.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="the cluster to join (default: RAY_ADDRESS, else a local Ray instance)")  # fmt: skip

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 from tinyloop.cli.args import (
     CliError,
     Parser,
-    add_dtype_argument,
+    add_device_arguments,
     loop_count,
     non_negative_int,
+    parse_or_exit_code,
     positive_int,
     torch_dtype,
 )
-from tinyloop.cli.inspect_cmd import parse_or_exit_code
 
 if TYPE_CHECKING:
     from collections.abc import Iterator
@@ -40,8 +40,7 @@ def build_parser() -> Parser:
     )  # fmt: skip
     p.add_argument("--decode-repeat", type=positive_int, default=3, help="timed decode runs (default: 3)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="seed of the synthetic tokens (default: 0)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    add_dtype_argument(p)
+    add_device_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object with every number")
     return p
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from tinyloop.cli.args import Parser
-from tinyloop.cli.guard import run_guarded
-from tinyloop.cli.inspect_cmd import parse_or_exit_code
+from tinyloop.cli.guard import run_main
 from tinyloop.presets import PRESETS
 
 PROG = "tinyloop-convert"
@@ -47,13 +47,10 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_guarded(PROG, lambda: _run(sys.argv[1:] if argv is None else argv))
+    return run_main(PROG, build_parser, _run, argv)
 
 
-def _run(argv: list[str]) -> int:
-    args = parse_or_exit_code(build_parser(), argv)
-    if isinstance(args, int):
-        return args
+def _run(args: argparse.Namespace) -> int:
     if args.from_hf is not None:
         if args.checkpoint is not None or args.random or args.config is not None or args.preset is not None:
             return _fail("--from-hf DIR takes no CHECKPOINT, --config, --random or --preset")

@@ -7,9 +7,11 @@ import sys
 from tinyloop.cli.args import (
     CliError,
     Parser,
-    add_dtype_argument,
+    add_device_arguments,
+    add_warmup_arguments,
     argv_bytes,
     check_sampling,
+    check_warmup_and_stop,
     loop_count,
     non_negative_float,
     non_negative_int,
@@ -33,10 +35,8 @@ def build_parser() -> Parser:
     p.add_argument("--seed", type=non_negative_int, default=None, help="makes sampling repeatable")
     p.add_argument("--cache-window", type=non_negative_int, default=0, help="sliding KV window, 0 = full cache")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="end before this text (repeatable)")
-    p.add_argument("--l-warmup-tokens", type=non_negative_int, default=0, help="first N decode steps run shallower")
-    p.add_argument("--l-warmup-L", type=loop_count, default=2, help="loops during the warm-up steps (default: 2)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    add_dtype_argument(p)
+    add_warmup_arguments(p)
+    add_device_arguments(p)
     add_constraint_arguments(p)
     add_text_arguments(p)
     return p
@@ -51,12 +51,7 @@ TEXT_ONLY = {
 
 def run_generate(path: str, argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    if not args.l_warmup_tokens:
-        refuse_unused(args, {"l_warmup_L": 2}, "the warm-up depth needs --l-warmup-tokens N (N > 0)")
-    if args.l_warmup_tokens and args.l_warmup_L > args.loops:
-        raise CliError(f"--l-warmup-L ({args.l_warmup_L}) must not exceed --loops ({args.loops})")
-    if args.stop is not None and not all(args.stop):
-        raise CliError("--stop must not be empty")
+    check_warmup_and_stop(args, args.loops, "--loops")
     grammar = build_grammar(args)
     check_sampling(args, args.loops)
     if is_text_model(path):  # an embedded tokenizer: text prompts, family exits (cli/text_generate.py)

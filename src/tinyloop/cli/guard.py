@@ -4,17 +4,33 @@ a reader that closes the pipe early (`| head`) ends the command quietly."""
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import os
 import sys
 import traceback
 from collections.abc import Callable
 
-from tinyloop.cli.args import CliError
+from tinyloop.cli.args import CliError, parse_or_exit_code
 
 # 128 + SIGPIPE: what a program stopped by a closed pipe reports (as `yes | head` does).
 CLOSED_PIPE_STATUS = 141
 _shutdown_report_hidden = False
+
+
+def run_main(
+    prog: str,
+    build_parser: Callable[[], argparse.ArgumentParser],
+    run: Callable[[argparse.Namespace], int],
+    argv: list[str] | None,
+) -> int:
+    """A console script's `main`: parse `argv` (default: the process's) and `run` the arguments, guarded."""
+
+    def command() -> int:
+        args = parse_or_exit_code(build_parser(), sys.argv[1:] if argv is None else argv)
+        return args if isinstance(args, int) else run(args)
+
+    return run_guarded(prog, command)
 
 
 def run_guarded(prog: str, command: Callable[[], int]) -> int:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from typing import Any
 
-from tinyloop.cli.args import Parser
+from tinyloop.cli.args import Parser, parse_or_exit_code
 from tinyloop.config import ArchConfig
 from tinyloop.errors import TinyLoopFormatError
 from tinyloop.format.header import ModelHeader, read_header
@@ -21,14 +20,6 @@ KV_MODES = ("dense", "int8", f"window-{SLIDING_WINDOW}", "hidden", "none")
 # in float32 up to this width, else bfloat16; the CPU always in float32.
 FLOAT32_MAX_WIDTH = 1024
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def parse_or_exit_code(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
-    """Parsed arguments, or the exit code after --help (0) or a usage error (2, already printed on one line)."""
-    try:
-        return parser.parse_args(argv)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else 2
 
 
 def run_inspect(path: str, argv: list[str]) -> int:

@@ -12,7 +12,7 @@ from typing import Any
 from tinyloop.cli.args import (
     CliError,
     Parser,
-    add_dtype_argument,
+    add_device_arguments,
     loop_count,
     non_negative_float,
     positive_int,
@@ -44,8 +44,7 @@ def build_parser() -> Parser:
         default=None,
         help="deepest loops a request may ask (default: the model's default loops)",
     )
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    add_dtype_argument(p)
+    add_device_arguments(p)
     p.add_argument("--shutdown-grace", type=non_negative_float, default=10.0, metavar="S",
                    help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are aborted "
                    "(default: 10)")  # fmt: skip

@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING, Any
 from tinyloop.cli.args import (
     CliError,
     Parser,
-    add_dtype_argument,
+    add_device_arguments,
+    add_warmup_arguments,
     argv_bytes,
     check_sampling,
+    check_warmup_and_stop,
     loop_count,
     non_negative_float,
     non_negative_int,
@@ -47,12 +49,10 @@ def build_parser() -> Parser:
     p.add_argument("--seed", type=non_negative_int, default=None, help="makes sampling repeatable")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT", help="end before this text (repeatable)")
     p.add_argument("--no-stop", action="store_true", help="do not stop at an embedded tokenizer's end tokens")
-    p.add_argument("--l-warmup-tokens", type=non_negative_int, default=0, help="first N decode steps run shallower")
-    p.add_argument("--l-warmup-L", type=loop_count, default=2, help="loops during the warm-up steps (default: 2)")
+    add_warmup_arguments(p)
     p.add_argument("--stats", action="store_true", help="acceptance, tokens per verify pass and speed-up to stderr")
     p.add_argument("--no-adaptive", action="store_true", help="always draft --draft-ahead tokens")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    add_dtype_argument(p)  # the same default as generate, so that greedy output equals generate's
+    add_device_arguments(p)  # the same --dtype default as generate, so that greedy output equals generate's
     add_constraint_arguments(p)
     return p
 
@@ -68,12 +68,7 @@ def run_speculate(path: str, argv: list[str]) -> int:
             f"--cache-window {args.cache_window} cannot be used with speculate: rejected drafts are rolled back, "
             "which a sliding window cannot do; use --cache-window 0"
         )
-    if not args.l_warmup_tokens:
-        refuse_unused(args, {"l_warmup_L": 2}, "the warm-up depth needs --l-warmup-tokens N (N > 0)")
-    if args.l_warmup_tokens and args.l_warmup_L > args.verify_loops:
-        raise CliError(f"--l-warmup-L ({args.l_warmup_L}) must not exceed --verify-loops ({args.verify_loops})")
-    if args.stop is not None and not all(args.stop):
-        raise CliError("--stop must not be empty")
+    check_warmup_and_stop(args, args.verify_loops, "--verify-loops")
     grammar = build_grammar(args)
     check_sampling(args, args.verify_loops)
     from tinyloop.format.header import read_header

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from tinyloop.cli.args import Parser
-from tinyloop.cli.inspect_cmd import parse_or_exit_code
+from tinyloop.cli.args import Parser, parse_or_exit_code
 from tinyloop.errors import TinyLoopFormatError
 from tinyloop.format.checksums import corrupted_tensors
 from tinyloop.format.header import read_header
