@@ -4,13 +4,13 @@ single-process server does."""
 from __future__ import annotations
 
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 
+from serve_helpers import running_server
 from shared_data import require_module
 
 for _name in ("ray", "fastapi", "uvicorn", "openai", "httpx"):
@@ -19,12 +19,10 @@ for _name in ("ray", "fastapi", "uvicorn", "openai", "httpx"):
 import httpx  # noqa: E402
 import openai  # noqa: E402
 import ray  # noqa: E402
-import uvicorn  # noqa: E402
 from ray import serve  # noqa: E402
 
 import tinyloop  # noqa: E402
 from tinyloop.integrations.ray import serve_application  # noqa: E402
-from tinyloop.serve import create_app  # noqa: E402
 
 SEQ = 128
 OPTIONS = {"served_model_name": "tiny", "max_batch": 2, "max_seq_len": SEQ}
@@ -38,22 +36,8 @@ def free_port() -> int:
 
 @contextmanager
 def single_server() -> Iterator[str]:
-    app = create_app(tinyloop.Model("tiny", max_seq_len=SEQ), **OPTIONS)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
+    with running_server(tinyloop.Model("tiny", max_seq_len=SEQ), **OPTIONS) as url:
+        yield url
 
 
 @contextmanager

@@ -20,8 +20,8 @@ def running_server(model: Any, **options: Any) -> Iterator[str]:
 
     from tinyloop.serve import create_app
 
-    options = {"max_batch": 4, "max_seq_len": SEQ, **options}
-    app = create_app(model, served_model_name="tiny", **options)
+    options = {"served_model_name": "tiny", "max_batch": 4, "max_seq_len": SEQ, **options}
+    app = create_app(model, **options)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
