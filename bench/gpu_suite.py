@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from gpu_check import rel, teacher_forced
 
 import tinyloop
 from tinyloop.env import RuntimeEnv
@@ -73,11 +74,6 @@ def timed(fn: Callable[[], Any], repeat: int) -> list[float]:
     return out
 
 
-def rel(a: Any, b: Any) -> float:
-    a, b = torch.as_tensor(np.asarray(a), dtype=torch.float64), torch.as_tensor(np.asarray(b), dtype=torch.float64)
-    return float((a - b).norm() / b.norm())
-
-
 def with_env(env: dict[str, str], fn: Callable[[], Any]) -> Any:
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -112,25 +108,14 @@ def env_section() -> dict[str, Any]:
 
 
 # ---- correctness ----------------------------------------------------------------------------------
-def teacher_forced_decode(model: Any, ids: np.ndarray, prompt: int, steps: int, loops: int) -> np.ndarray:
-    eng = model._engine
-    cache = eng.new_cache(1, prompt + steps + 1, loops)
-    eng.step(torch.as_tensor(ids[None, :prompt], dtype=torch.long), cache, loops, last_only=True)
-    out = []
-    for t in range(prompt, prompt + steps):
-        step = eng.step(torch.as_tensor([[int(ids[t])]]), cache, loops, last_only=True)
-        out.append(step.logits[0, -1].float().cpu().numpy())
-    return np.stack(out)
-
-
 def compare_model(path: str, ids: np.ndarray, loops: int, greedy_prompts: list[np.ndarray], **gpu_kw: Any) -> dict:
     cpu = tinyloop.Model(path, max_seq_len=512, device="cpu")
     gpu = tinyloop.Model(path, max_seq_len=512, device="cuda", **gpu_kw)
     res: dict[str, Any] = {}
     res["prefill_rel_frob"] = rel(gpu.score(ids, loops=loops), cpu.score(ids, loops=loops))
     res["short_prefill_rel_frob"] = rel(gpu.score(ids[:12], loops=loops), cpu.score(ids[:12], loops=loops))
-    c = teacher_forced_decode(cpu, ids, 64, 24, loops)
-    g = teacher_forced_decode(gpu, ids, 64, 24, loops)
+    c = teacher_forced(cpu, ids, 64, 24, loops)
+    g = teacher_forced(gpu, ids, 64, 24, loops)
     res["graph_decode_rel_frob"] = rel(g, c)
     res["graph_decode_argmax_agree"] = float((g.argmax(-1) == c.argmax(-1)).mean())
     agree = []
