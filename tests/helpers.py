@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from tinyloop.config import ArchConfig
@@ -41,3 +46,21 @@ def interpreter_policy(**choices: object) -> object:
             return 32, max(group, 64), 4
 
     return InterpreterPolicy(**choices)  # type: ignore[arg-type]
+
+
+@contextmanager
+def models_per_kv_mode(path: Path, windows: dict[str, int], max_seq_len: int = 64) -> Iterator[dict[str, Any]]:
+    """One single-threaded Model per KV mode (windows: mode -> cache_window), closed on exit."""
+    import tinyloop
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    opened = {
+        mode: tinyloop.Model(path, max_seq_len=max_seq_len, kv_mode=mode, cache_window=w) for mode, w in windows.items()
+    }
+    try:
+        yield opened
+    finally:
+        for m in opened.values():
+            m.close()
+        torch.set_num_threads(before)

@@ -7,12 +7,11 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import tinyloop
-from helpers import random_flat_weights
+from helpers import models_per_kv_mode, random_flat_weights
 from naive_reference import naive_forward
 from tinyloop.presets import preset
 
@@ -21,16 +20,8 @@ KV_MODES = {"16bit": 0, "int8": 0, "hidden": 0, "window": 6, "none": 0}
 
 @pytest.fixture(scope="module")
 def models(tiny_files) -> Iterator[dict[str, tinyloop.Model]]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    opened = {
-        mode: tinyloop.Model(tiny_files["f32"], max_seq_len=64, kv_mode=mode, cache_window=w)
-        for mode, w in KV_MODES.items()
-    }
-    yield opened
-    for m in opened.values():
-        m.close()
-    torch.set_num_threads(before)
+    with models_per_kv_mode(tiny_files["f32"], KV_MODES) as opened:
+        yield opened
 
 
 def _alone(model: tinyloop.Model, prompt: list[int], **kw) -> list[int]:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import tinyloop
+from helpers import models_per_kv_mode
 from tinyloop.errors import NonFiniteLogitsError
 
 KV_MODES = {"16bit": 0, "int8": 0, "hidden": 0, "window": 8, "none": 0}
@@ -29,16 +30,8 @@ REQUESTS = [
 
 @pytest.fixture(scope="module")
 def models(tiny_files) -> Iterator[dict[str, tinyloop.Model]]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    opened = {
-        mode: tinyloop.Model(tiny_files["f32"], max_seq_len=64, kv_mode=mode, cache_window=w)
-        for mode, w in KV_MODES.items()
-    }
-    yield opened
-    for m in opened.values():
-        m.close()
-    torch.set_num_threads(before)
+    with models_per_kv_mode(tiny_files["f32"], KV_MODES) as opened:
+        yield opened
 
 
 def _alone(model: tinyloop.Model, prompt: list[int], kw: dict) -> list[int]:
