@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from serve_helpers import running_server
 
 import tinyloop
+from serve_helpers import running_server
 from shared_data import require_module
 
 for _name in ("fastapi", "uvicorn", "prometheus_client", "openai", "httpx"):  # the serve and dev extras

@@ -9,6 +9,7 @@ import threading
 import httpx
 import openai
 import pytest
+
 from serve_helpers import running_server
 
 

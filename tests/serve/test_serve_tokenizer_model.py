@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serve_helpers import running_server
 
 import tinyloop
 from families.family_helpers import copy_vectors
+from serve_helpers import running_server
 
 
 @pytest.fixture(scope="module")
