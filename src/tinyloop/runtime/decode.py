@@ -23,7 +23,7 @@ from tinyloop.cache.base import StepCache
 from tinyloop.runtime.adaptive_exit import ExitCriterion, adaptive_rows_step
 from tinyloop.runtime.depth_schedule import DepthSchedule, fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
-from tinyloop.runtime.sampling import TokenPicker, token_logprob
+from tinyloop.runtime.sampling import TokenPicker, argmax_or_flag, token_logprob
 from tinyloop.runtime.stats import GenerationStats
 
 
@@ -96,16 +96,28 @@ def begin(row: Row) -> None:
 
 def pick_tokens(rows: Sequence[Row | None], logits: torch.Tensor) -> Iterator[tuple[int, int]]:
     """Sample each live row's next token from logits [B, V] (row b from logits[b]); yield (b, token)."""
+    greedy = greedy_picks(rows, logits)
     for b, row in enumerate(rows):
         if row is not None and not row.done:
-            token = pick_token(row, logits[b])
+            token = pick_token(row, logits[b], greedy.get(b))
             if token is not None:
                 yield b, token
 
 
-def pick_token(row: Row, logits: torch.Tensor) -> int | None:
-    """Row's next token from its logits [V] (None: the row finished without one), with its bookkeeping."""
-    token = row.picker.pick(logits)
+def greedy_picks(rows: Sequence[Row | None], logits: torch.Tensor) -> dict[int, int]:
+    """The argmax (-1: non-finite) of every live plain-greedy row's logits, in one device computation and
+    one readback instead of a few synchronising kernels per row."""
+    chosen = [b for b, row in enumerate(rows) if row is not None and not row.done and row.picker.plain_greedy]
+    if not chosen:
+        return {}
+    picked = logits if len(chosen) == logits.shape[0] else logits[torch.tensor(chosen, device=logits.device)]
+    return dict(zip(chosen, argmax_or_flag(picked).tolist(), strict=True))
+
+
+def pick_token(row: Row, logits: torch.Tensor, greedy_token: int | None = None) -> int | None:
+    """Row's next token from its logits [V] (None: the row finished without one), with its bookkeeping.
+    greedy_token: its argmax from `greedy_picks`, if taken."""
+    token = row.picker.pick(logits, greedy_token)
     if token is None:
         row.finish("stop_token")
         return None

@@ -17,11 +17,27 @@ def sample_next(
     """One token id from logits [V]. temperature 0 is greedy; top_k 0 and top_p 1 disable those filters.
 
     Raises NonFiniteLogitsError on NaN or inf logits (a forbidden token's -inf is fine)."""
+    if temperature == 0.0:
+        return checked_argmax(logits.view(1, -1))[0]
     if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
         raise NonFiniteLogitsError()
-    if temperature == 0.0:
-        return int(torch.argmax(logits))
     return int(torch.multinomial(filtered_probs(logits, temperature, top_k, top_p), 1, generator=generator))
+
+
+def argmax_or_flag(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax of logits [B, V], or -1 where the row holds NaN or +inf (a forbidden token's -inf is
+    fine), computed where the logits are: one readback serves a whole batch."""
+    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)
+    return torch.where(bad, torch.full_like(bad, -1, dtype=torch.long), logits.argmax(-1))
+
+
+def checked_argmax(logits: torch.Tensor) -> list[int]:
+    """Greedy tokens of logits [B, V] (`argmax_or_flag`, read back once); NonFiniteLogitsError if any row is
+    non-finite."""
+    tokens = argmax_or_flag(logits).tolist()
+    if min(tokens) < 0:
+        raise NonFiniteLogitsError()
+    return tokens
 
 
 def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
@@ -80,10 +96,22 @@ class TokenPicker:
             forbidden = self.grammar.forbidden(state)
         return logits.masked_fill(forbidden.to(logits.device), float("-inf"))
 
-    def pick(self, logits: torch.Tensor) -> int | None:
-        """The next token, or None when a stop token was sampled."""
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy without a grammar: its token is the logits' argmax, which a batch can take for all such rows
+        at once (`argmax_or_flag`) and hand to `pick`."""
+        return self.grammar is None and self.params.temperature == 0.0
+
+    def pick(self, logits: torch.Tensor, greedy_token: int | None = None) -> int | None:
+        """The next token, or None when a stop token was sampled. greedy_token: for a `plain_greedy` picker,
+        the logits' argmax computed with the batch's (-1: they were non-finite)."""
         p = self.params
-        token = sample_next(self.constrain(logits), p.temperature, p.top_k, p.top_p, self.gen)
+        if greedy_token is not None and self.plain_greedy:
+            if greedy_token < 0:
+                raise NonFiniteLogitsError()
+            token = greedy_token
+        else:
+            token = sample_next(self.constrain(logits), p.temperature, p.top_k, p.top_p, self.gen)
         if token in self.stop_tokens:
             return None
         if self.grammar is not None:
