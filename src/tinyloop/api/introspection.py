@@ -12,7 +12,7 @@ import torch
 from tinyloop.api.base import ModelBase
 from tinyloop.cache.memory import check_host_memory
 from tinyloop.runtime.adaptive_exit import ExitCriterion
-from tinyloop.runtime.depth_scores import depth_logprobs
+from tinyloop.runtime.depth_scores import continuation_logprobs, depth_logprobs
 from tinyloop.runtime.introspect import depth_logits, kl_divergence, stable_depth, trajectory
 
 
@@ -124,12 +124,7 @@ class IntrospectionMixin(ModelBase):
         ids, batched = self._batch(tokens)
         if ids.shape[1] < 2:
             raise ValueError("scoring next tokens needs at least 2 tokens per row")
-        if loops is None or not isinstance(loops, Sequence):
-            depths: tuple[int, ...] = (self._loops(loops),)
-        else:
-            depths = tuple(sorted({self._loops(d) for d in loops}))
-            if not depths:
-                raise ValueError("loops must be an integer or a non-empty sequence of integers")
+        depths = self._depths(loops)
         crit = None if exit_criterion is None else ExitCriterion(exit_criterion, exit_tol, min_loops)
         _check_memory(self._engine, ids, depths[-1])
         res = depth_logprobs(self._engine, ids, depths, crit)
@@ -140,6 +135,68 @@ class IntrospectionMixin(ModelBase):
         return TokenLogprobs(
             depths, out(res.logprob, np.float64), out(res.greedy, np.bool_), out(res.exit_depth, np.int32)
         )
+
+    def score_continuations(
+        self,
+        groups: Sequence[tuple[Any, Sequence[Any]]],
+        loops: int | Sequence[int] | None = None,
+        *,
+        exit_criterion: str | None = None,
+        exit_tol: float | None = None,
+        min_loops: int = 1,
+    ) -> list[list[TokenLogprobs]]:
+        """For each (context, continuations) group, the log-probabilities of each continuation's tokens
+        after the context: out[g][j].logprob [D, n] (n: that continuation's length), entry t =
+        log p(continuation[t] | context + continuation[:t]); greedy and exit_depth alike (loops and the
+        exit rule as in `score_token_logprobs`). Each context runs once, in one batch with the others, and
+        its continuations continue from copies of its KV cache: the values equal `score_token_logprobs`
+        of context + continuation at those positions, up to float rounding (attention over a cache)."""
+        self._check_open()
+        depths = self._depths(loops)
+        crit = None if exit_criterion is None else ExitCriterion(exit_criterion, exit_tol, min_loops)
+        if not groups:
+            raise ValueError("groups must be a non-empty sequence of (context, continuations) pairs")
+        contexts, continuations, owner = [], [], []
+        for g, group in enumerate(groups):
+            if not isinstance(group, (tuple, list)) or len(group) != 2:
+                raise ValueError(f"groups[{g}] must be a (context, continuations) pair")
+            context = self._tokens(group[0], f"groups[{g}] context")
+            if not len(group[1]):
+                raise ValueError(f"groups[{g}] has no continuations")
+            for j, tokens in enumerate(group[1]):
+                continuation = self._tokens(tokens, f"groups[{g}] continuation {j}")
+                if not (len(context) and len(continuation)):
+                    raise ValueError(f"groups[{g}]: a context and continuation {j} need at least 1 token each")
+                continuations.append(continuation)
+                owner.append(g)
+            contexts.append(context)
+        span = max(map(len, contexts)) + max(map(len, continuations)) - 1
+        if span > self.max_seq_len:
+            raise ValueError(f"the longest context and the longest continuation need {span} positions, more "
+                             f"than max_seq_len {self.max_seq_len}: score the longest groups apart")  # fmt: skip
+        cfg = self.header.config
+        per_position = (depths[-1] + 2) * cfg.d_model + 2 * cfg.n_cache_slots(depths[-1]) * cfg.kv_dim  # states, K/V
+        check_host_memory(torch.device("cpu"), per_position * (len(contexts) + len(continuations)) * span * 4)
+        res = continuation_logprobs(self._engine, contexts, continuations, torch.tensor(owner), depths, crit)
+        out: list[list[TokenLogprobs]] = [[] for _ in contexts]
+        for r, (g, continuation) in enumerate(zip(owner, continuations, strict=True)):
+            n = len(continuation)
+
+            def row(t: torch.Tensor, dtype: Any, r: int = r, n: int = n) -> np.ndarray:
+                return t[:, r, :n].cpu().numpy().astype(dtype, copy=False)
+
+            lp, greedy, exit_depth = row(res.logprob, np.float64), row(res.greedy, np.bool_), row(res.exit_depth, np.int32)
+            out[g].append(TokenLogprobs(depths, lp, greedy, exit_depth))
+        return out
+
+    def _depths(self, loops: int | Sequence[int] | None) -> tuple[int, ...]:
+        """One depth, or the distinct depths of a sequence in ascending order."""
+        if loops is None or not isinstance(loops, Sequence):
+            return (self._loops(loops),)
+        depths = tuple(sorted({self._loops(d) for d in loops}))
+        if not depths:
+            raise ValueError("loops must be an integer or a non-empty sequence of integers")
+        return depths
 
     def score_trajectory(self, tokens: Any, loops: int | None = None) -> np.ndarray:
         """float32 [2 + L, T, d]: embedding output, prelude output, then the state after each iteration

@@ -70,6 +70,13 @@ class KVCache:
             raise ValueError(f"cannot truncate a cache of lengths {self.lengths.tolist()} to {new.tolist()}")
         self.lengths = new
 
+    def select_rows(self, rows: torch.Tensor) -> KVCache:
+        """An independent cache whose row i copies row rows[i] of this one (a prefix forked into rows that
+        each continue it differently)."""
+        index = rows.to(self.k.device)
+        k, v = self.k.index_select(1, index), self.v.index_select(1, index)
+        return KVCache._from_buffers(self.cfg, self.loops, k, v, self.lengths[rows.cpu()].clone())
+
     def clone(self) -> KVCache:
         """An independent snapshot."""
         return KVCache._from_buffers(self.cfg, self.loops, self.k.clone(), self.v.clone(), self.lengths.clone())

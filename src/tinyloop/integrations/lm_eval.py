@@ -37,6 +37,10 @@ class DepthTotals:
     tokens: int = 0
 
 
+# A log-likelihood request: the tokens of context + continuation, and the continuation's length.
+Key = tuple[tuple[int, ...], int]
+
+
 @dataclass
 class Scorer:
     """The model and the depths it scores at once; results kept per (tokens, continuation length)."""
@@ -47,15 +51,24 @@ class Scorer:
     exit_criterion: str | None = None
     exit_tol: float | None = None
     min_loops: int = 1
-    results: dict[tuple[tuple[int, ...], int], dict[int, tuple[float, bool, int]]] = field(default_factory=dict)
+    results: dict[Key, dict[int, tuple[float, bool, int]]] = field(default_factory=dict)
     totals: dict[int, DepthTotals] = field(default_factory=dict)
 
     def score(self, rows: Sequence[tuple[list[int], int]], depth: int) -> list[tuple[float, bool]]:
         """(tokens, n) -> (sum of log p of the last n tokens, all of them greedy) at `depth`."""
         keys = [(tuple(tokens), n) for tokens, n in rows]
-        todo = sorted({k for k in keys if k not in self.results}, key=lambda k: -len(k[0]))
-        for start in range(0, len(todo), self.batch_size):
-            self._score_batch(todo[start : start + self.batch_size])
+        by_context: dict[tuple[int, ...], list[Key]] = {}
+        for key in sorted({k for k in keys if k not in self.results}, key=lambda k: (k[1], k[0])):
+            by_context.setdefault(key[0][: -key[1]], []).append(key)
+        # A context asked once gains nothing from a cache: its rows run whole, longest first.
+        alone = sorted((ks[0] for ks in by_context.values() if len(ks) == 1), key=lambda k: (-len(k[0]), k))
+        for start in range(0, len(alone), self.batch_size):
+            self._score_whole(alone[start : start + self.batch_size])
+        shared = [ks[i : i + self.batch_size] for ks in by_context.values() if len(ks) > 1
+                  for i in range(0, len(ks), self.batch_size)]  # fmt: skip
+        shared.sort(key=lambda ks: (-len(ks[-1][0]), ks[0][0]))
+        for batch in self._context_batches(shared):
+            self._score_shared(batch)
         totals = self.totals.setdefault(depth, DepthTotals())
         out = []
         for key in keys:
@@ -65,7 +78,23 @@ class Scorer:
             out.append((lp, greedy))
         return out
 
-    def _score_batch(self, batch: list[tuple[tuple[int, ...], int]]) -> None:
+    def _context_batches(self, groups: list[list[Key]]) -> list[list[list[Key]]]:
+        """Consecutive groups (one context each) up to batch_size continuations, within the positions a
+        batch runs (its longest context plus its longest continuation)."""
+        limit = self.model.max_seq_len + 1
+        batches: list[list[list[Key]]] = []
+        rows = context = continuation = 0
+        for group in groups:
+            m, n = len(group[0][0]) - group[0][1], max(k[1] for k in group)
+            if batches and rows + len(group) <= self.batch_size and max(context, m) + max(continuation, n) <= limit:
+                batches[-1].append(group)
+                rows, context, continuation = rows + len(group), max(context, m), max(continuation, n)
+            else:
+                batches.append([group])
+                rows, context, continuation = len(group), m, n
+        return batches
+
+    def _score_whole(self, batch: list[Key]) -> None:
         width = max(len(tokens) for tokens, _ in batch)
         ids = np.zeros((len(batch), width), dtype=np.int32)
         for i, (tokens, _) in enumerate(batch):
@@ -76,14 +105,22 @@ class Scorer:
         for i, key in enumerate(batch):
             tokens, n = key
             span = slice(len(tokens) - 1 - n, len(tokens) - 1)  # positions predicting the last n tokens
-            self.results[key] = {
-                depth: (
-                    float(res.logprob[d, i, span].sum()),
-                    bool(res.greedy[d, i, span].all()),
-                    int(res.exit_depth[d, i, span].sum()),
-                )
-                for d, depth in enumerate(res.depths)
-            }
+            self._keep(key, res.depths, res.logprob[:, i, span], res.greedy[:, i, span], res.exit_depth[:, i, span])
+
+    def _score_shared(self, batch: list[list[Key]]) -> None:
+        groups = [(keys[0][0][: -keys[0][1]], [tokens[-n:] for tokens, n in keys]) for keys in batch]
+        res = self.model.score_continuations(
+            groups, self.depths, exit_criterion=self.exit_criterion, exit_tol=self.exit_tol, min_loops=self.min_loops
+        )
+        for keys, scores in zip(batch, res, strict=True):
+            for key, r in zip(keys, scores, strict=True):
+                self._keep(key, r.depths, r.logprob, r.greedy, r.exit_depth)
+
+    def _keep(self, key: Key, depths: tuple[int, ...], lp: np.ndarray, greedy: np.ndarray, exits: np.ndarray) -> None:
+        """A request's per-depth results from its continuation's rows [D, n]."""
+        self.results[key] = {
+            depth: (float(lp[d].sum()), bool(greedy[d].all()), int(exits[d].sum())) for d, depth in enumerate(depths)
+        }
 
 
 @register_model("tinyloop")

@@ -12,10 +12,12 @@ decoding, and at most the asked depth.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from tinyloop.cache.kv import KVCache
 from tinyloop.model.looped import exit_hidden, head, initial_state
 from tinyloop.runtime.adaptive_exit import ExitCriterion
 from tinyloop.runtime.engine import Engine
@@ -51,19 +53,131 @@ def depth_logprobs(
     B, T = tokens.shape
     positions = torch.arange(T, device=tokens.device)[None].expand(B, T)
     ctx = engine.context(positions, None, None)
-    check = _Check(criterion, cfg.vocab_size, initial_state(cfg, out.states[1], positions, engine.noise))
+
+    def at_depth(depth: int) -> _DepthView:
+        state = out.states[1 + depth]
+        logits = out.logits if depth == deepest else head(w, cfg, exit_hidden(w, cfg, state, ctx))
+        gate = out.gates[depth - 1][:, :-1] if out.gates else None
+        return _DepthView(logits[:, :-1], state[:, :-1], gate)
+
+    start = initial_state(cfg, out.states[1], positions, engine.noise)[:, :-1]
+    return _read_depths(depths, criterion, cfg.vocab_size, start, targets, at_depth)
+
+
+@torch.inference_mode()
+def continuation_logprobs(
+    engine: Engine,
+    contexts: list[torch.Tensor],
+    continuations: list[torch.Tensor],
+    owner: torch.Tensor,
+    depths: tuple[int, ...],
+    criterion: ExitCriterion | None = None,
+) -> DepthLogprobs:
+    """Continuation r (1-D, n_r >= 1 tokens) after context owner[r] (1-D, >= 1 token): the contexts run once,
+    each continuation from a copy of its context's cache rows. Results [D, R, N] (N = the longest
+    continuation; row r's first n_r entries): entry t scores continuation[t] given context + continuation[:t],
+    as `depth_logprobs` on context + continuation scores those positions (up to the rounding of attending
+    over a cache). The positions run are max context + N - 1, which must fit the engine's max_positions.
+
+    For a shallower depth of a sweep, the coda's K/V of the context at that depth go to a cache of their own
+    (the main cache's coda slots hold the deepest's), which the continuation's coda at that depth reads."""
+    cfg, w = engine.cfg, engine.weights
+    deepest = depths[-1]
     needed = set(depths) if criterion is None else set(range(1, deepest + 1))
-    fired = torch.zeros(B, T - 1, dtype=torch.long, device=tokens.device)  # 0: no check fired yet
-    read_lp = torch.zeros(B, T - 1, dtype=torch.float64, device=tokens.device)
-    read_greedy = torch.zeros(B, T - 1, dtype=torch.bool, device=tokens.device)
+    m = torch.tensor([len(c) for c in contexts])
+    n = torch.tensor([len(c) for c in continuations])
+    span = int(m.max()) + int(n.max()) - 1  # positions any row may run, its padding included
+    context_ids = _right_padded(contexts, int(m.max()), engine.device)
+    cache = engine.new_cache(len(contexts), span, deepest)
+    ctx_out = engine.step(context_ids, cache, deepest, valid=m, last_only=True, collect_states=True)
+    assert ctx_out.logits is not None and ctx_out.states is not None
+    Bc, Tc = context_ids.shape
+    ctx_positions = torch.arange(Tc, device=engine.device)[None].expand(Bc, Tc)
+    last = (m - 1).to(engine.device)
+    rows = owner.to(engine.device)
+
+    def at_last(x: torch.Tensor) -> torch.Tensor:  # [Bc, Tc, ...] -> each context's last position [Bc, 1, ...]
+        return x[torch.arange(Bc, device=engine.device), last][:, None]
+
+    # Per depth: the context's last position (logits, state, gate) for each continuation and, below the
+    # deepest, the context's coda K/V at that depth.
+    first: dict[int, _DepthView] = {}
+    coda_caches: dict[int, KVCache] = {}
+    for depth in sorted(needed):
+        state = ctx_out.states[1 + depth]
+        if depth == deepest:
+            logits = ctx_out.logits
+        else:
+            coda_cache = KVCache(cfg, Bc, span, 0, engine.device, engine.dtype)  # prelude and coda slots
+            hidden = exit_hidden(w, cfg, state, engine.context(ctx_positions, coda_cache, None))
+            logits = head(w, cfg, at_last(hidden))
+            coda_caches[depth] = coda_cache.select_rows(owner)
+        gate = at_last(ctx_out.gates[depth - 1])[rows] if ctx_out.gates else None
+        first[depth] = _DepthView(logits[rows], at_last(state)[rows], gate)
+    start = at_last(initial_state(cfg, ctx_out.states[1], ctx_positions, engine.noise))[rows]
+    targets = _right_padded(continuations, int(n.max()), engine.device)
+    if int(n.max()) == 1:  # every continuation is one token: the contexts' last positions score them
+        return _read_depths(depths, criterion, cfg.vocab_size, start, targets, first.__getitem__)
+
+    row_cache = cache.select_rows(owner)
+    steps = targets[:, :-1]  # each continuation's tokens but its last, after its context
+    out = engine.step(steps, row_cache, deepest, valid=n - 1, collect_states=True)
+    assert out.logits is not None and out.states is not None
+    positions = m[owner].to(engine.device)[:, None] + torch.arange(steps.shape[1], device=engine.device)
+    attend = int(positions.max()) + 1  # as the step attended
+
+    def at_depth(depth: int) -> _DepthView:
+        state = out.states[1 + depth]
+        if depth == deepest:
+            logits = out.logits
+        else:
+            ctx = engine.context(positions, coda_caches[depth], attend)
+            logits = head(w, cfg, exit_hidden(w, cfg, state, ctx))
+        gate = out.gates[depth - 1] if out.gates else None
+        head_view = first[depth]
+        return _DepthView(
+            torch.cat((head_view.logits, logits), dim=1),
+            torch.cat((head_view.state, state), dim=1),
+            None if gate is None or head_view.gate is None else torch.cat((head_view.gate, gate), dim=1),
+        )
+
+    start = torch.cat((start, initial_state(cfg, out.states[1], positions, engine.noise)), dim=1)
+    return _read_depths(depths, criterion, cfg.vocab_size, start, targets, at_depth)
+
+
+@dataclass(frozen=True)
+class _DepthView:
+    """What the model gives at one depth for the scored positions [B, N]: logits [B, N, V], the loop state
+    [B, N, d], the exit gate's logit [B, N] (models with one)."""
+
+    logits: torch.Tensor
+    state: torch.Tensor
+    gate: torch.Tensor | None
+
+
+def _read_depths(
+    depths: tuple[int, ...],
+    criterion: ExitCriterion | None,
+    vocab: int,
+    start: torch.Tensor,
+    targets: torch.Tensor,
+    at_depth: Callable[[int], _DepthView],
+) -> DepthLogprobs:
+    """Scores of targets [B, N] at each asked depth, one depth at a time (with an exit criterion, every depth
+    up to the deepest, each position reading the first that fires); start: the state before the loop."""
+    deepest = depths[-1]
+    check = _Check(criterion, vocab, start)
+    needed = set(depths) if criterion is None else set(range(1, deepest + 1))
+    fired = torch.zeros(targets.shape, dtype=torch.long, device=targets.device)  # 0: no check fired yet
+    read_lp = torch.zeros(targets.shape, dtype=torch.float64, device=targets.device)
+    read_greedy = torch.zeros(targets.shape, dtype=torch.bool, device=targets.device)
     rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for depth in range(1, deepest + 1):
         if depth not in needed:
             continue
-        state = out.states[1 + depth]
-        logits = out.logits if depth == deepest else head(w, cfg, exit_hidden(w, cfg, state, ctx))
-        logp = torch.log_softmax(logits[:, :-1].double(), dim=-1)
-        lp, greedy = _gather(logp, logits[:, :-1], targets)
+        view = at_depth(depth)
+        logp = torch.log_softmax(view.logits.double(), dim=-1)
+        lp, greedy = _gather(logp, view.logits, targets)
         if depth in depths:
             early = fired > 0
             rows.append((
@@ -72,13 +186,19 @@ def depth_logprobs(
                 torch.where(early, fired, torch.full_like(fired, depth)),
             ))  # fmt: skip
         if criterion is not None and depth < deepest:
-            gate = out.gates[depth - 1][:, :-1] if out.gates else None
-            now = check.fires(depth, logp, state[:, :-1], gate) & (fired == 0)
+            now = check.fires(depth, logp, view.state, view.gate) & (fired == 0)
             fired = torch.where(now, depth, fired)
             read_lp = torch.where(now, lp, read_lp)
             read_greedy = torch.where(now, greedy, read_greedy)
     lps, greedies, exits = zip(*rows, strict=True)
     return DepthLogprobs(depths, torch.stack(lps), torch.stack(greedies), torch.stack(exits))
+
+
+def _right_padded(rows: list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = row
+    return ids.to(device)
 
 
 def _target_scores(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +220,7 @@ class _Check:
         self.prev_argmax: torch.Tensor | None = None
         self.streak: torch.Tensor | None = None
         self.survival: torch.Tensor | None = None
-        self.prev_state = start[:, :-1]
+        self.prev_state = start
         self.log_vocab = math.log(vocab)
 
     def fires(self, depth: int, logp: torch.Tensor, state: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
