@@ -103,3 +103,32 @@ def test_batches_equal_per_sequence_results(model) -> None:
     assert idx.shape == val.shape == (3, 2, 1, 3)
     with pytest.raises(ValueError, match="equal lengths"):
         model.score_trajectory([[1, 2, 3], [4, 5]], loops=2)
+
+
+def test_continuations_after_a_shared_context_equal_whole_sequences_and_naive_runs(model) -> None:
+    cfg, flat = preset("test-tiny"), random_flat_weights(preset("test-tiny"), seed=7)
+    groups = [(TOKENS[:5], [TOKENS[5:], [7], [200, 1, 2]]), ([9, 8], [[1, 2, 3, 4, 5, 6], [40, 41]])]
+    for kwargs in ({}, {"exit_criterion": "kl", "exit_tol": 0.05}, {"exit_criterion": "latent", "exit_tol": 0.5}):
+        got = model.score_continuations(groups, [1, 3, 5], **kwargs)
+        for (context, continuations), scores in zip(groups, got, strict=True):
+            for continuation, res in zip(continuations, scores, strict=True):
+                tokens, n = [*context, *continuation], len(continuation)
+                whole = model.score_token_logprobs(tokens, [1, 3, 5], **kwargs)
+                assert res.logprob.shape == (3, n) and np.array_equal(res.exit_depth, whole.exit_depth[:, -n:])
+                np.testing.assert_allclose(res.logprob, whole.logprob[:, -n:], rtol=0, atol=1e-5)
+                assert np.array_equal(res.greedy, whole.greedy[:, -n:])
+                if not kwargs:
+                    for d, depth in enumerate((1, 3, 5)):
+                        logits, _, _ = naive_forward(cfg, flat, tokens[:-1], depth)
+                        ref = torch.log_softmax(logits, -1)[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
+                        np.testing.assert_allclose(res.logprob[d], ref[-n:].numpy(), rtol=0, atol=1e-4)
+    assert (got[0][0].exit_depth[2] < 5).any(), "the latent tolerance must let some positions exit early"
+    # Every continuation one token long: the contexts' last positions score them all.
+    (one,) = model.score_continuations([(TOKENS, [[5], [6], [7]])], 3)
+    whole = model.score_token_logprobs([[*TOKENS, t] for t in (5, 6, 7)], 3)
+    np.testing.assert_allclose(np.concatenate([r.logprob for r in one], 1), whole.logprob[0, :, -1:].T, atol=1e-5)
+    bad = [([], "non-empty"), ([(TOKENS, [])], "no continuations"), ([([], [[1]])], "context must not be empty"),
+           ([(TOKENS, [[1] * 60])], "max_seq_len 64")]  # fmt: skip
+    for groups, match in bad:
+        with pytest.raises(ValueError, match=match):
+            model.score_continuations(groups, 2)

@@ -30,6 +30,9 @@ PAIRS = [
     ("x = [1, 2, 3]\nfor item in x:\n    print(", "item)\n"),
     ("class A(object):\n    pass", "\n"),
 ]
+# Contexts shared by several continuations (one token long among them): each context runs once per batch.
+SHARED = [("def add(a, b):\n    return", c) for c in (" a - b\n", "\n", " b")]
+SHARED += [("import os", c) for c in ("\n", "x", " # the os module\n", "\nimport re\n")]
 
 
 def _requests(kind: str, args: list[tuple[str, ...]]) -> list[Instance]:
@@ -51,8 +54,8 @@ def backend(tiny_files):
 
 
 def test_loglikelihood_equals_score_and_naive_reference(backend) -> None:
-    results = backend.loglikelihood(_requests("loglikelihood", PAIRS), disable_tqdm=True)
-    for (context, continuation), (lp, greedy) in zip(PAIRS, results, strict=True):
+    results = backend.loglikelihood(_requests("loglikelihood", PAIRS + SHARED), disable_tqdm=True)
+    for (context, continuation), (lp, greedy) in zip(PAIRS + SHARED, results, strict=True):
         tokens = list((context + continuation).encode())
         n = len(continuation.encode())
         logits = torch.from_numpy(backend.model.score(np.array(tokens[:-1], np.int32), loops=3)).double()
@@ -107,11 +110,11 @@ def test_depth_sweep_equals_separate_runs_at_each_depth(tiny_files) -> None:
     path = str(tiny_files["f32"])
     swept = TinyLoopLM.sweep([4, 1, 2], path, batch_size=2)
     assert [lm.loops for lm in swept] == [1, 2, 4]
-    requests = _requests("loglikelihood", PAIRS)
+    requests = _requests("loglikelihood", PAIRS + SHARED)
     for lm in swept:
         alone = TinyLoopLM(path, loops=lm.loops, batch_size=2)
         assert lm.loglikelihood(requests, disable_tqdm=True) == alone.loglikelihood(requests, disable_tqdm=True)
-    assert swept[0].scorer is swept[2].scorer and len(swept[0].scorer.results) == len(PAIRS)
+    assert swept[0].scorer is swept[2].scorer and len(swept[0].scorer.results) == len(PAIRS + SHARED)
 
 
 def test_exit_criterion_reads_each_position_at_its_exit_depth(tiny_files) -> None:

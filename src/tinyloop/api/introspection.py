@@ -164,10 +164,7 @@ class IntrospectionMixin(ModelBase):
             if not len(group[1]):
                 raise ValueError(f"groups[{g}] has no continuations")
             for j, tokens in enumerate(group[1]):
-                continuation = self._tokens(tokens, f"groups[{g}] continuation {j}")
-                if not (len(context) and len(continuation)):
-                    raise ValueError(f"groups[{g}]: a context and continuation {j} need at least 1 token each")
-                continuations.append(continuation)
+                continuations.append(self._tokens(tokens, f"groups[{g}] continuation {j}"))  # refuses no tokens
                 owner.append(g)
             contexts.append(context)
         span = max(map(len, contexts)) + max(map(len, continuations)) - 1
@@ -185,7 +182,11 @@ class IntrospectionMixin(ModelBase):
             def row(t: torch.Tensor, dtype: Any, r: int = r, n: int = n) -> np.ndarray:
                 return t[:, r, :n].cpu().numpy().astype(dtype, copy=False)
 
-            lp, greedy, exit_depth = row(res.logprob, np.float64), row(res.greedy, np.bool_), row(res.exit_depth, np.int32)
+            lp, greedy, exit_depth = (
+                row(res.logprob, np.float64),
+                row(res.greedy, np.bool_),
+                row(res.exit_depth, np.int32),
+            )
             out[g].append(TokenLogprobs(depths, lp, greedy, exit_depth))
         return out
 

@@ -3,6 +3,9 @@
     lm_eval.simple_evaluate(model="tinyloop", model_args="pretrained=tiny,loops=4", tasks=[...])
 
 Scoring runs requests sorted by length in right-padded batches (a row's positions never see its padding).
+A context shared by several continuations (a multiple-choice question) runs once per batch, and each
+continuation continues from a copy of its KV cache (`Model.score_continuations`); a context asked once runs
+whole with its continuation. Either way the tokens are lm-eval's: its context tokens, then its continuation's.
 A depth sweep (`TinyLoopLM.sweep`) shares one scorer between one backend per depth: the first depth to
 see a request scores it at every depth of the sweep from one forward, the others read the result.
 A byte-level model reads text as UTF-8 bytes; a model with a tokenizer uses its embedded tokenizer.

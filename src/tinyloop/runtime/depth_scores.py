@@ -7,6 +7,11 @@ iterations do not depend on how many follow). Only per-token values are kept, ne
 With an exit criterion every loop still runs for every position; a position reads the logits of the
 first depth whose check fires (Huginn's criteria, Ouro's gate CDF), as `ExitCriterion` defines them for
 decoding, and at most the asked depth.
+
+`continuation_logprobs` scores continuations after shared contexts: each context runs once, and its
+continuations continue from copies of its cache rows (the same values, up to the rounding of attention over
+a cache). Every depth of a sweep reads there too: the context's coda K/V at each shallower depth are kept
+in a cache of their own, for that depth's coda of the continuations to attend to.
 """
 
 from __future__ import annotations
@@ -18,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from tinyloop.cache.kv import KVCache
+from tinyloop.model.layers import StepContext
 from tinyloop.model.looped import exit_hidden, head, initial_state
 from tinyloop.runtime.adaptive_exit import ExitCriterion
-from tinyloop.runtime.engine import Engine
+from tinyloop.runtime.engine import Engine, cpu_threads_for
 
 
 @dataclass(frozen=True)
@@ -40,7 +46,7 @@ def depth_logprobs(
     engine: Engine, tokens: torch.Tensor, depths: tuple[int, ...], criterion: ExitCriterion | None = None
 ) -> DepthLogprobs:
     """tokens [B, T] from position 0 (right-padded rows are fine: a position only sees tokens before it)."""
-    cfg, w = engine.cfg, engine.weights
+    cfg = engine.cfg
     deepest = depths[-1]
     targets = tokens[:, 1:].long()
     if criterion is None and len(depths) == 1:
@@ -49,18 +55,19 @@ def depth_logprobs(
         lp, greedy = _target_scores(out.logits[:, :-1], targets)
         return DepthLogprobs(depths, lp[None], greedy[None], torch.full_like(lp, deepest, dtype=torch.long)[None])
     out = engine.step(tokens, None, deepest, collect_states=True)
-    assert out.logits is not None and out.states is not None
+    final, states = out.logits, out.states
+    assert final is not None and states is not None
     B, T = tokens.shape
     positions = torch.arange(T, device=tokens.device)[None].expand(B, T)
     ctx = engine.context(positions, None, None)
 
     def at_depth(depth: int) -> _DepthView:
-        state = out.states[1 + depth]
-        logits = out.logits if depth == deepest else head(w, cfg, exit_hidden(w, cfg, state, ctx))
+        state = states[1 + depth]
+        logits = final if depth == deepest else _exit_logits(engine, state, ctx)
         gate = out.gates[depth - 1][:, :-1] if out.gates else None
         return _DepthView(logits[:, :-1], state[:, :-1], gate)
 
-    start = initial_state(cfg, out.states[1], positions, engine.noise)[:, :-1]
+    start = initial_state(cfg, states[1], positions, engine.noise)[:, :-1]
     return _read_depths(depths, criterion, cfg.vocab_size, start, targets, at_depth)
 
 
@@ -77,11 +84,8 @@ def continuation_logprobs(
     each continuation from a copy of its context's cache rows. Results [D, R, N] (N = the longest
     continuation; row r's first n_r entries): entry t scores continuation[t] given context + continuation[:t],
     as `depth_logprobs` on context + continuation scores those positions (up to the rounding of attending
-    over a cache). The positions run are max context + N - 1, which must fit the engine's max_positions.
-
-    For a shallower depth of a sweep, the coda's K/V of the context at that depth go to a cache of their own
-    (the main cache's coda slots hold the deepest's), which the continuation's coda at that depth reads."""
-    cfg, w = engine.cfg, engine.weights
+    over a cache). The positions run are max context + N - 1, which must fit the engine's max_positions."""
+    cfg = engine.cfg
     deepest = depths[-1]
     needed = set(depths) if criterion is None else set(range(1, deepest + 1))
     m = torch.tensor([len(c) for c in contexts])
@@ -109,8 +113,8 @@ def continuation_logprobs(
             logits = ctx_out.logits
         else:
             coda_cache = KVCache(cfg, Bc, span, 0, engine.device, engine.dtype)  # prelude and coda slots
-            hidden = exit_hidden(w, cfg, state, engine.context(ctx_positions, coda_cache, None))
-            logits = head(w, cfg, at_last(hidden))
+            ctx = engine.context(ctx_positions, coda_cache, None)
+            logits = _exit_logits(engine, state, ctx, at_last)
             coda_caches[depth] = coda_cache.select_rows(owner)
         gate = at_last(ctx_out.gates[depth - 1])[rows] if ctx_out.gates else None
         first[depth] = _DepthView(logits[rows], at_last(state)[rows], gate)
@@ -122,27 +126,34 @@ def continuation_logprobs(
     row_cache = cache.select_rows(owner)
     steps = targets[:, :-1]  # each continuation's tokens but its last, after its context
     out = engine.step(steps, row_cache, deepest, valid=n - 1, collect_states=True)
-    assert out.logits is not None and out.states is not None
+    final, states = out.logits, out.states
+    assert final is not None and states is not None
     positions = m[owner].to(engine.device)[:, None] + torch.arange(steps.shape[1], device=engine.device)
     attend = int(positions.max()) + 1  # as the step attended
 
     def at_depth(depth: int) -> _DepthView:
-        state = out.states[1 + depth]
+        state = states[1 + depth]
         if depth == deepest:
-            logits = out.logits
+            logits = final
         else:
-            ctx = engine.context(positions, coda_caches[depth], attend)
-            logits = head(w, cfg, exit_hidden(w, cfg, state, ctx))
+            logits = _exit_logits(engine, state, engine.context(positions, coda_caches[depth], attend))
         gate = out.gates[depth - 1] if out.gates else None
-        head_view = first[depth]
-        return _DepthView(
-            torch.cat((head_view.logits, logits), dim=1),
-            torch.cat((head_view.state, state), dim=1),
-            None if gate is None or head_view.gate is None else torch.cat((head_view.gate, gate), dim=1),
-        )
+        before = first[depth]
+        gates = None if gate is None or before.gate is None else torch.cat((before.gate, gate), dim=1)
+        return _DepthView(torch.cat((before.logits, logits), dim=1), torch.cat((before.state, state), dim=1), gates)
 
-    start = torch.cat((start, initial_state(cfg, out.states[1], positions, engine.noise)), dim=1)
+    start = torch.cat((start, initial_state(cfg, states[1], positions, engine.noise)), dim=1)
     return _read_depths(depths, criterion, cfg.vocab_size, start, targets, at_depth)
+
+
+def _exit_logits(
+    engine: Engine, state: torch.Tensor, ctx: StepContext, pick: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
+    """The logits of loop states [B, T, d] through the exit path (at the positions `pick` keeps), on as many
+    CPU threads as the step that made them: a forward at that depth then gives the same bits."""
+    with cpu_threads_for(engine.device, state.shape[0] * state.shape[1]):
+        hidden = exit_hidden(engine.weights, engine.cfg, state, ctx)
+        return head(engine.weights, engine.cfg, hidden if pick is None else pick(hidden))
 
 
 @dataclass(frozen=True)
