@@ -58,7 +58,7 @@ class BatchMixin(ModelBase):
                 self._check_room(int(row_ids.numel()), p.max_tokens)
             except ValueError as exc:
                 raise ValueError(f"prompts[{b}]: {exc}") from None
-        if len(ids) == 1:  # one request: the single-request path (on a GPU, its pipelined greedy loop)
+        if len(ids) == 1:  # one request: the single-request path (it reuses the model's idle working caches)
             stream = self._stream(ids[0], params[0], False)
             self.last_batch_stats = [self.last_stats]
             return ((0, token) for token in stream)

@@ -7,6 +7,12 @@ a single row from a restored state), then runs one batched step per token; rows 
 A finished row rides along until the batch ends: it rewrites one position past its end, which nothing
 reads, so the step keeps its shape.
 
+With lookahead (on a GPU by default) the host runs one step ahead for rows whose next input needs no host
+decision (greedy, no grammar, depth schedule, logprobs or own step, over a cache that rolls back exactly): each
+step's argmax stays on the device and feeds the next step, which is queued before the host reads the tokens
+back, so the host's bookkeeping overlaps the device's work. A row that finishes was fed one step too far; that
+position is dropped again, so the cache ends as without lookahead.
+
 The loop is three functions that the continuous-batching scheduler (runtime/scheduler.py) drives as
 well: `begin` a row, `pick_tokens` from a step's logits, `decode_step` over the cache's rows.
 """
@@ -14,16 +20,17 @@ well: `begin` a row, `pick_tokens` from a step's logits, `decode_step` over the 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from tinyloop.cache.base import StepCache
+from tinyloop.cache.kv import KVCache
 from tinyloop.runtime.adaptive_exit import ExitCriterion, adaptive_rows_step
 from tinyloop.runtime.depth_schedule import DepthSchedule, fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
-from tinyloop.runtime.sampling import TokenPicker, argmax_or_flag, token_logprob
+from tinyloop.runtime.sampling import TokenPicker, argmax_and_flagged, argmax_or_flag, token_logprob
 from tinyloop.runtime.stats import GenerationStats
 
 
@@ -62,26 +69,113 @@ class Row:
         return self.loops if self.schedule is None else self.schedule.loops_for(step, self.loops)
 
 
-def decode_rows(engine: Engine, cache: StepCache | None, rows: Sequence[Row]) -> Iterator[tuple[int, int]]:
+def decode_rows(
+    engine: Engine, cache: StepCache | None, rows: Sequence[Row], *, lookahead: bool | None = None
+) -> Generator[tuple[int, int], None, None]:
     """Yield (row index, token) as the rows generate them. With cache None every step recomputes the
-    rows' whole sequences. The cache must have one row per request and hold max(row.loops) loops."""
+    rows' whole sequences. The cache must have one row per request and hold max(row.loops) loops.
+    lookahead: run the host one step ahead where the rows allow it (see the module); None: `engine.lookahead`."""
     for row in rows:
         begin(row)
     if all(row.done for row in rows):
         return
     loops = max(row.loops for row in rows)
+    ahead = None
+    if _can_look_ahead(cache, rows, engine.lookahead if lookahead is None else lookahead):
+        ahead = _Lookahead(len(rows), engine.device.type == "cuda")
     logits = _first_logits(engine, cache, rows, loops)
-    while True:
-        yield from pick_tokens(rows, logits)
-        if all(row.done for row in rows):
+    try:
+        while True:
+            if ahead is None:
+                yield from pick_tokens(rows, logits)
+            else:
+                assert cache is not None
+                ahead.settle(cache, rows)
+                logits = ahead.queue(engine, cache, rows, loops, logits)
+                yield from ahead.take(rows)
+            if all(row.done for row in rows):
+                return
+            if ahead is None:
+                logits = _next_logits(engine, cache, rows, loops)
+    finally:
+        if ahead is not None:
+            assert cache is not None
+            ahead.settle(cache, rows, ended=True)
+
+
+def _next_logits(engine: Engine, cache: StepCache | None, rows: Sequence[Row], loops: int) -> torch.Tensor:
+    own_step = rows[0].step
+    if own_step is None:
+        return decode_step(engine, cache, rows, loops)
+    if len(rows) != 1:
+        raise ValueError("a row with its own decode step runs in a batch of one")
+    return own_step(rows[0].tokens[-1]).view(1, -1)
+
+
+def _can_look_ahead(cache: StepCache | None, rows: Sequence[Row], lookahead: bool) -> bool:
+    """Whether every row's next input is the device's argmax, over a cache that rolls back one position
+    exactly (not a sliding-window ring)."""
+    return (
+        lookahead
+        and isinstance(cache, KVCache)
+        and all(
+            row.picker.params.temperature == 0.0
+            and row.picker.grammar is None
+            and row.picker.params.logprobs is None
+            and row.schedule is None
+            and row.exit is None
+            and row.step is None
+            for row in rows
+        )
+    )
+
+
+class _Lookahead:
+    """decode_rows' host one step ahead: the device's greedy tokens come back through one pinned buffer, read
+    only after the next step is queued with them. `fed[b]`: the step queued ahead advanced row b's cache."""
+
+    def __init__(self, batch: int, on_device: bool) -> None:
+        self.host = torch.empty(batch, dtype=torch.long, pin_memory=on_device)
+        self.ready = torch.cuda.Event() if on_device else None
+        self.fed = [False] * batch
+
+    def queue(
+        self, engine: Engine, cache: StepCache, rows: Sequence[Row], loops: int, logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Queue the readback of the tokens of logits [B, V] and, unless every row ends with them, the next
+        step fed those tokens: its logits (else `logits`)."""
+        tokens, flagged = argmax_and_flagged(logits)
+        self.host.copy_(flagged, non_blocking=self.ready is not None)
+        if self.ready is not None:
+            self.ready.record()
+        if not any(not row.done and len(row.tokens) + 1 < row.max_tokens for row in rows):
+            self.fed = [False] * len(rows)
+            return logits
+        self.fed = [not row.done for row in rows]
+        return decode_step(engine, cache, rows, loops, feed=tokens)
+
+    def take(self, rows: Sequence[Row]) -> Iterator[tuple[int, int]]:
+        """The queued tokens, taken by their live rows: yield (b, token)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        for b, token in enumerate(self.host.tolist()):
+            row = rows[b]
+            if row.done:
+                continue
+            if record_token(row, row.picker.take(token)) is not None:
+                yield b, token
+
+    def settle(self, cache: StepCache, rows: Sequence[Row], ended: bool = False) -> None:
+        """Drop the position the step queued ahead gave each row that has finished since (every row it
+        advanced, once the loop `ended`), leaving the cache as the loop without lookahead would."""
+        back = [fed and (ended or row.done) for fed, row in zip(self.fed, rows, strict=True)]
+        if not any(back):
             return
-        own_step = rows[0].step
-        if own_step is None:
-            logits = decode_step(engine, cache, rows, loops)
-        elif len(rows) == 1:
-            logits = own_step(rows[0].tokens[-1]).view(1, -1)
-        else:
-            raise ValueError("a row with its own decode step runs in a batch of one")
+        cache.lengths = cache.lengths - torch.tensor(back, dtype=torch.long)
+        for b, row in enumerate(rows):
+            if back[b]:
+                self.fed[b] = False
+                row.step_depths.pop()
 
 
 def begin(row: Row) -> None:
@@ -117,14 +211,19 @@ def greedy_picks(rows: Sequence[Row | None], logits: torch.Tensor) -> dict[int, 
 def pick_token(row: Row, logits: torch.Tensor, greedy_token: int | None = None) -> int | None:
     """Row's next token from its logits [V] (None: the row finished without one), with its bookkeeping.
     greedy_token: its argmax from `greedy_picks`, if taken."""
-    token = row.picker.pick(logits, greedy_token)
+    token = record_token(row, row.picker.pick(logits, greedy_token))
+    if token is not None and row.picker.params.logprobs is not None:
+        row.stats.logprobs.append(token_logprob(logits, token, row.picker.params.logprobs))
+    return token
+
+
+def record_token(row: Row, token: int | None) -> int | None:
+    """Row's bookkeeping for its next token (None: a stop token, which finishes it)."""
     if token is None:
         row.finish("stop_token")
         return None
     row.tokens.append(token)
     stats = row.stats
-    if row.picker.params.logprobs is not None:
-        stats.logprobs.append(token_logprob(logits, token, row.picker.params.logprobs))
     stats.generated_tokens += 1
     now = time.perf_counter()
     if stats.generated_tokens == 1:
@@ -167,16 +266,19 @@ def _first_logits(engine: Engine, cache: StepCache | None, rows: Sequence[Row], 
     return out.logits[:, -1]
 
 
-def decode_step(engine: Engine, cache: StepCache | None, rows: Sequence[Row | None], loops: int) -> torch.Tensor:
+def decode_step(
+    engine: Engine, cache: StepCache | None, rows: Sequence[Row | None], loops: int, feed: torch.Tensor | None = None
+) -> torch.Tensor:
     """One token for every cache row: logits [B, V]. Row b of the cache belongs to rows[b]; a finished
     row, or a slot without a row (None), feeds a dummy token at its end, which nothing reads, and keeps
     its length. Each live row runs its own depth (`loops_at` its next decode step); `loops` (at least
-    every live row's) sizes the step. With cache None every row's whole sequence is recomputed."""
+    every live row's) sizes the step. With cache None every row's whole sequence is recomputed.
+    feed: the tokens [B] (on the device) instead of each row's last one."""
     live = [row is not None and not row.done for row in rows]
     depth = [
         row.loops_at(len(row.tokens)) if row is not None and ok else loops for row, ok in zip(rows, live, strict=True)
     ]
-    logits, ran = _step_rows(engine, cache, rows, live, loops, depth)
+    logits, ran = _step_rows(engine, cache, rows, live, loops, depth, feed)
     for b, row in enumerate(rows):
         if row is not None and live[b]:
             row.step_depths.append(ran[b])
@@ -184,31 +286,37 @@ def decode_step(engine: Engine, cache: StepCache | None, rows: Sequence[Row | No
 
 
 def _step_rows(
-    engine: Engine, cache: StepCache | None, rows: Sequence[Row | None], live: list[bool], loops: int, depth: list[int]
+    engine: Engine,
+    cache: StepCache | None,
+    rows: Sequence[Row | None],
+    live: list[bool],
+    loops: int,
+    depth: list[int],
+    feed: torch.Tensor | None,
 ) -> tuple[torch.Tensor, Sequence[int]]:
     """decode_step's forward: (logits [B, V], iterations each row ran)."""
-    depths = _depth_tensor(depth)
+    depths = None if all(d == loops for d in depth) else _depth_tensor(depth)
     if cache is None:
         sequences = [row.prompt.tolist() + row.tokens if row is not None else [0] for row in rows]
         tokens, lengths = _padded(sequences)
         out = engine.step(tokens, None, loops, valid=lengths, last_only=True, depth=depths)
         assert out.logits is not None
         return out.logits[:, -1], depth
-    feed = [row.tokens[-1] if row is not None and row.tokens else 0 for row in rows]
-    before = cache.lengths.clone()
+    last = [row.tokens[-1] if row is not None and row.tokens else 0 for row in rows] if feed is None else []
+    before = None if all(live) else cache.lengths.clone()
     exits = [row.exit if row is not None and ok else None for row, ok in zip(rows, live, strict=True)]
     if any(e is not None for e in exits):
         fill_to = [row.loops if row is not None and ok else 1 for row, ok in zip(rows, live, strict=True)]
-        logits, ran = adaptive_rows_step(engine, cache, feed, depth, exits, fill_to)
+        logits, ran = adaptive_rows_step(engine, cache, last, depth, exits, fill_to)
     else:
-        out = engine.step(torch.tensor(feed, dtype=torch.long).view(-1, 1), cache, loops, last_only=True, depth=depths)
+        tokens = torch.tensor(last) if feed is None else feed
+        out = engine.step(tokens.view(-1, 1), cache, loops, last_only=True, depth=depths)
         assert out.logits is not None
         logits, ran = out.logits[:, -1], depth
         for b, row in enumerate(rows):
             if row is not None and live[b] and depth[b] < row.loops:
                 end = int(cache.lengths[b])
                 fill_skipped_iterations(cache, depth[b], row.loops, end - 1, end, row=b if len(rows) > 1 else None)
-    finished = ~torch.tensor(live)
-    if bool(finished.any()):
-        cache.lengths = torch.where(finished, before, cache.lengths)
+    if before is not None:
+        cache.lengths = torch.where(torch.tensor(live), cache.lengths, before)
     return logits, ran

@@ -55,6 +55,7 @@ class Engine:
         l2_window: L2Window | None = None,
         max_positions: int | None = None,
         kernel_policy: KernelPolicy | None = None,
+        lookahead: bool | None = None,
     ) -> None:
         self.cfg = cfg
         self.weights = weights
@@ -65,6 +66,9 @@ class Engine:
         self.l2_window = l2_window
         # The CUDA kernel choices (kernels/policy.py), built once at load; the decoder passes it to every launch.
         self.kernel_policy = kernel_policy if kernel_policy is not None else KernelPolicy()
+        # Whether the decode loop runs the host one step ahead where the rows allow it (runtime/decode.py): on
+        # a GPU, whose steps would otherwise wait for the host's bookkeeping of every token.
+        self.lookahead = device.type == "cuda" if lookahead is None else lookahead
         # Steps run one at a time: the decoders keep per-batch-size workspaces between steps.
         self.lock = threading.RLock()
         self.closed = False

@@ -3,6 +3,8 @@ picker that applies its grammar and stop tokens."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from tinyloop.errors import NonFiniteLogitsError
@@ -27,8 +29,14 @@ def sample_next(
 def argmax_or_flag(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax of logits [B, V], or -1 where the row holds NaN or +inf (a forbidden token's -inf is
     fine), computed where the logits are: one readback serves a whole batch."""
-    bad = torch.isnan(logits).any(-1) | torch.isposinf(logits).any(-1)
-    return torch.where(bad, torch.full_like(bad, -1, dtype=torch.long), logits.argmax(-1))
+    return argmax_and_flagged(logits)[1]
+
+
+def argmax_and_flagged(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each row's argmax of logits [B, V], the same as `argmax_or_flag`) from one reduction (its maximum is
+    NaN where the row holds one, +inf where it holds that); the first ids of equal maxima, as argmax."""
+    top, tokens = torch.max(logits, -1)
+    return tokens, torch.where(top < math.inf, tokens, -1)
 
 
 def checked_argmax(logits: torch.Tensor) -> list[int]:
@@ -107,11 +115,14 @@ class TokenPicker:
         the logits' argmax computed with the batch's (-1: they were non-finite)."""
         p = self.params
         if greedy_token is not None and self.plain_greedy:
-            if greedy_token < 0:
-                raise NonFiniteLogitsError()
-            token = greedy_token
-        else:
-            token = sample_next(self.constrain(logits), p.temperature, p.top_k, p.top_p, self.gen)
+            return self.take(greedy_token)
+        return self.take(sample_next(self.constrain(logits), p.temperature, p.top_k, p.top_p, self.gen))
+
+    def take(self, token: int) -> int | None:
+        """`token` as the next one (a plain-greedy argmax computed with a batch's or on the device; -1: the
+        logits were non-finite), or None for a stop token."""
+        if token < 0:
+            raise NonFiniteLogitsError()
         if token in self.stop_tokens:
             return None
         if self.grammar is not None:

@@ -105,7 +105,7 @@ def speculative_tokens(
     )
     if spec.adaptive and not policy.can_pay():
         # Plain decoding is the faster path on this device whatever the drafts: take it outright (on a GPU
-        # that is the pipelined greedy loop) rather than paying for probe rounds that cannot win.
+        # with the host one step ahead) rather than paying for probe rounds that cannot win.
         yield from _plain(engine, cache, prompt, max_tokens, spec, params, stats, grammar, stop_tokens, schedule)
         return
     picker = TokenPicker(params, grammar, stop_tokens)
