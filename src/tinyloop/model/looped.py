@@ -19,7 +19,7 @@ from tinyloop.model.ops import ForwardOps, TorchOps, gate_logit
 from tinyloop.model.slots import body_slot, coda_slot, prelude_slot
 from tinyloop.model.weights import LayerWeights, ModelWeights, Norm
 
-__all__ = ["ForwardOutput", "IterationView", "forward", "gate_logit", "run"]
+__all__ = ["ForwardOutput", "IterationView", "forward", "gate_logit", "run", "token_exit_forward"]
 
 
 @dataclass
@@ -212,6 +212,49 @@ def run(
     return ForwardOutput(
         logits=logits, states=states, gates=gates, loop_state=ops.rows(loop_state), prelude_out=ops.rows(p)
     )
+
+
+def token_exit_forward(
+    w: ModelWeights,
+    cfg: ArchConfig,
+    tokens: torch.Tensor,
+    ctx: StepContext,
+    iteration_ctx: Callable[[torch.Tensor], StepContext],
+    loops: int,
+    patience: int,
+    *,
+    dtype: torch.dtype,
+    noise: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scoring tokens [1, T] from position 0 where a position stops iterating after an iteration at which its
+    argmax (the coda and head over `ctx`) has been the same for `patience` consecutive iterations.
+
+    Only positions still iterating run the body, over iteration_ctx(their indices [n]), whose store must keep
+    the K/V each exited position wrote last. Returns (logits [T, V], iterations each position ran [T]).
+    """
+    ops = TorchOps(w, cfg, ctx, dtype, noise)
+    p = ops.keep(prelude(ops, w, cfg, tokens))
+    s = start_state(ops, cfg, p).clone()
+    T, dev = tokens.shape[1], tokens.device
+    active = torch.ones(T, dtype=torch.bool, device=dev)
+    exit_depth = torch.full((T,), loops, dtype=torch.long, device=dev)
+    last_argmax = torch.full((T,), -1, dtype=torch.long, device=dev)
+    streak = torch.zeros(T, dtype=torch.long, device=dev)
+    for t in range(loops):
+        idx = active.nonzero().squeeze(1)
+        s[:, idx] = loop_iteration(w, cfg, s[:, idx], p[:, idx], iteration_ctx(idx), t)
+        if t == loops - 1:
+            break
+        argmax = ops.head(coda(ops, w, cfg, s)[:, idx], head_norm(w, cfg), cfg.logit_scale)[0].argmax(-1)
+        same = argmax == last_argmax[idx]
+        streak[idx] = torch.where(same, streak[idx] + 1, torch.zeros_like(streak[idx]))
+        last_argmax[idx] = argmax
+        done = idx[streak[idx] >= patience]
+        exit_depth[done] = t + 1
+        active[done] = False
+        if not bool(active.any()):
+            break
+    return exit_logits(ops, w, cfg, s)[0], exit_depth
 
 
 # ---- the reference backend's entry points ----------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 
 from tinyloop.cache.kv import KVCache
 from tinyloop.model.layers import StepContext
-from tinyloop.model.looped import embed, exit_hidden, head, initial_state, loop_iteration, run_prelude
+from tinyloop.model.looped import token_exit_forward
 from tinyloop.runtime.engine import Engine
 
 
@@ -53,35 +53,14 @@ class TokenExitResult:
 def score_with_token_exit(engine: Engine, tokens: torch.Tensor, loops: int, patience: int) -> TokenExitResult:
     """Score tokens [T] from position 0; a position exits after an iteration at which its argmax has been
     the same for `patience` consecutive iterations (patience >= 1)."""
-    cfg, w = engine.cfg, engine.weights
     T = int(tokens.numel())
     dev = engine.device
-    store = LatestIterationStore(KVCache(cfg, 1, T, 1, dev, engine.dtype))
-    positions = torch.arange(T, device=dev)[None]
-    full_ctx = engine.context(positions, None, None)
-    x = embed(w, cfg, tokens.view(1, -1).to(dev), engine.dtype)
-    p = run_prelude(w, cfg, x, full_ctx)
-    s = initial_state(cfg, p, positions, engine.noise).clone()
-    active = torch.ones(T, dtype=torch.bool, device=dev)
-    exit_depth = torch.full((T,), loops, dtype=torch.long, device=dev)
-    last_argmax = torch.full((T,), -1, dtype=torch.long, device=dev)
-    streak = torch.zeros(T, dtype=torch.long, device=dev)
-    for t in range(loops):
-        idx = active.nonzero().squeeze(1)
-        ctx = engine.context(idx[None], store, T)
-        s[:, idx] = loop_iteration(w, cfg, s[:, idx], p[:, idx], ctx, t)
-        if t == loops - 1:
-            break
-        argmax = head(w, cfg, exit_hidden(w, cfg, s, full_ctx)[:, idx])[0].argmax(-1)
-        same = argmax == last_argmax[idx]
-        streak[idx] = torch.where(same, streak[idx] + 1, torch.zeros_like(streak[idx]))
-        last_argmax[idx] = argmax
-        done = idx[streak[idx] >= patience]
-        exit_depth[done] = t + 1
-        active[done] = False
-        if not bool(active.any()):
-            break
-    logits = head(w, cfg, exit_hidden(w, cfg, s, full_ctx))[0]
+    store = LatestIterationStore(KVCache(engine.cfg, 1, T, 1, dev, engine.dtype))
+    full_ctx = engine.context(torch.arange(T, device=dev)[None], None, None)
+    logits, exit_depth = token_exit_forward(
+        engine.weights, engine.cfg, tokens.view(1, -1).to(dev), full_ctx,
+        lambda idx: engine.context(idx[None], store, T), loops, patience, dtype=engine.dtype, noise=engine.noise,
+    )  # fmt: skip
     return TokenExitResult(logits=logits, exit_depth=exit_depth.cpu(), loops=loops)
 
 
