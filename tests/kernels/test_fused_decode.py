@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from helpers import interpreter_policy, max_rel_error, random_flat_weights
 from naive_reference import naive_forward
 from tinyloop.config import ArchConfig
 from tinyloop.kernels import cuda_ops
+from tinyloop.kernels.cuda_ops import CudaKernels
 from tinyloop.model.weights import ModelWeights
 from tinyloop.quant import BlockedInt4Weight, Int4Weight, quantize_int4
 from tinyloop.runtime.engine import Engine
@@ -102,9 +105,8 @@ def test_fused_batched_multi_token_steps_match_generic() -> None:
 
 @pytest.mark.parametrize("variant", ["interleaved-qkbias-add", "blocked:pre-concat-zeros-gqa"])
 def test_fused_prefill_from_empty_cache_matches_generic(variant: str) -> None:
-    """A prefill long enough for cuBLAS: the INT4 matrices each loop multiplies (the body's and the concat
-    adapter's) are dequantized once for both loops (the same logits as dequantizing before every use) and
-    match the generic path."""
+    """A prefill (many rows) multiplies 16-bit copies of the INT4 matrices, made once and kept (the same
+    logits as dequantizing before every use), and matches the generic path."""
     cfg, _, fused, generic = build(variant.removeprefix("blocked:"), variant.startswith("blocked:"))
     tokens = torch.randint(0, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(9))
     outs = []
@@ -114,12 +116,19 @@ def test_fused_prefill_from_empty_cache_matches_generic(variant: str) -> None:
     assert max_rel_error(outs[0], outs[1]) <= 1e-4
     decoder = fused.decoder
     assert isinstance(decoder, FusedDecoder)
-    adapter = [] if fused.weights.adapter is None else [fused.weights.adapter]
-    body = [*adapter, *(m for lw in fused.weights.body for m in lw.matrices())]
-    assert decoder.dense_body_bytes == sum(4 * m.shape[0] * m.shape[1] for m in body)  # float32 copies
-    decoder._reuse_dense_body = False
+    w = fused.weights
+    layers = (*w.prelude, *w.body, *w.coda)
+    matrices = [*([] if w.adapter is None else [w.adapter]), *(m for lw in layers for m in lw.matrices()), w.head]
+    int4 = [m for m in matrices if isinstance(m, Int4Weight)]
+    assert int4 and decoder.dense_copy_bytes == sum(4 * m.shape[0] * m.shape[1] for m in int4)  # float32 copies
+    copies = decoder.dense_copies(20)
+    assert decoder.dense_copies(1) == {} and all(id(m) in copies for m in int4)
     again = fused.step(tokens, fused.new_cache(1, 24, 2), 2).logits
     assert torch.equal(again, outs[0])
+    decoder.release()
+    decoder.kernels = CudaKernels(dataclasses.replace(decoder.kernels.policy, dense_copy_min_rows=0))
+    scratch = fused.step(tokens, fused.new_cache(1, 24, 2), 2).logits
+    assert decoder.dense_copy_bytes == 0 and torch.equal(scratch, outs[0])
 
 
 def test_fused_verification_step_resumes_like_generic() -> None:
@@ -197,20 +206,24 @@ def test_engine_close_frees_it_without_the_cyclic_collector(close: bool) -> None
 
 
 def test_graphs_of_cublas_sized_steps_take_no_l2_window() -> None:
-    """Decode-sized graphs are captured with the engine's L2 window; graphs of steps whose GEMMs go to cuBLAS
-    (a prefill, reading 16-bit copies of the body) without it, unless cuBLAS is off and the INT4 kernels read
-    the body at every row count."""
+    """Graphs of steps that read the INT4 matrices are captured with the engine's L2 window; graphs of steps
+    whose GEMMs go to cuBLAS (batched steps and prefills, reading 16-bit copies) without it, unless cuBLAS is
+    off and the INT4 kernels read the body at every row count."""
     from tinyloop.kernels.l2_residency import L2Window
 
+    window = L2Window(4096, 8192, 1.0)
     _, _, fused, _ = build("interleaved-qkbias-add")
     decoder = fused.decoder
     assert isinstance(decoder, FusedDecoder)
-    window = L2Window(4096, 8192, 1.0)
     fused.l2_window = window
-    largest_int4_step = fused.kernel_policy.blocked_gemm_max_rows
     assert decoder._graph_window(1) is window
-    assert decoder._graph_window(largest_int4_step) is window
-    assert decoder._graph_window(largest_int4_step + 1) is None
+    assert decoder._graph_window(fused.kernel_policy.dense_copy_min_rows) is None
+    _, _, no_copies, _ = build("interleaved-qkbias-add", dense_copy_min_rows=0)
+    no_copies.l2_window = window
+    assert isinstance(no_copies.decoder, FusedDecoder)
+    largest_int4_step = no_copies.kernel_policy.blocked_gemm_max_rows
+    assert no_copies.decoder._graph_window(largest_int4_step) is window
+    assert no_copies.decoder._graph_window(largest_int4_step + 1) is None
     _, _, no_cublas, _ = build("interleaved-qkbias-add", cublas_16bit=False)
     no_cublas.l2_window = window
     assert isinstance(no_cublas.decoder, FusedDecoder) and no_cublas.decoder._graph_window(1024) is window

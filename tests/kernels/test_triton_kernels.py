@@ -290,22 +290,6 @@ def test_one_token_rope_attention_equals_two_kernels(
         assert not bool(counts.any())
 
 
-def test_dense_weights_reused_dequantizes_kept_weights_once_per_scope() -> None:
-    gen = torch.Generator().manual_seed(8)
-    kept, other = (quantize_int4(torch.randn(24, 128, generator=gen), 64) for _ in range(2))
-    outside = cuda_ops._dense_weight(kept, torch.float32)
-    assert torch.equal(outside, kept.dequantize()) and cuda_ops._dense_weight(kept, torch.float32) is not outside
-    with cuda_ops.dense_weights_reused([kept]) as scope:
-        first = cuda_ops._dense_weight(kept, torch.float32)
-        assert cuda_ops._dense_weight(kept, torch.float32) is first and torch.equal(first, outside)
-        assert cuda_ops._dense_weight(other, torch.float32) is not cuda_ops._dense_weight(other, torch.float32)
-        with cuda_ops.dense_weights_reused([]):  # an inner scope that keeps nothing
-            assert cuda_ops._dense_weight(kept, torch.float32) is not first
-        assert cuda_ops._dense_weight(kept, torch.float32) is first  # the outer scope is back
-        assert scope.nbytes == first.nbytes
-    assert cuda_ops._dense_weight(kept, torch.float32) is not first
-
-
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("blocked", [False, True], ids=["plain", "blocked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

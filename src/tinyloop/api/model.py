@@ -60,7 +60,7 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin, Batch
         total += 4 * (4 * cfg.d_model + cfg.q_dim + 2 * cfg.kv_dim + 3 * cfg.ffn_dim + cfg.vocab_size)
         # CUDA: what the captured decode graphs and the scoring scratch cache hold, as allocated.
         decoder = self._engine.decoder
-        total += getattr(decoder, "graph_bytes", 0)
+        total += getattr(decoder, "graph_bytes", 0) + getattr(decoder, "dense_copy_bytes", 0)
         scratch = getattr(decoder, "_scratch", None)
         if scratch is not None:
             total += scratch.nbytes

@@ -8,9 +8,6 @@ or CPU tensors under TRITON_INTERPRET=1, which is how the CPU test suite checks 
 from __future__ import annotations
 
 import functools
-import threading
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -178,7 +175,10 @@ def fused_linear(
     else:
         out = torch.empty((M, N), dtype=dtype, device=x.device)
     blocked = isinstance(w, BlockedInt4Weight)
-    many_rows = policy.int4_rows_on_cublas(M) if blocked else M > policy.matvec_max_rows
+    if blocked:
+        many_rows = policy.int4_rows_on_cublas(M)
+    else:
+        many_rows = M > (policy.matvec_max_rows if isinstance(w, Int4Weight) else policy.matvec_16bit_max_rows)
     if many_rows and policy.cublas_16bit:
         return _linear_unfused(policy, x, w, norm_weight, eps, bias, act, residual, out)
     words, scale, minimum, group, is_int4 = _weight_parts(w)
@@ -266,49 +266,13 @@ def dequantize_int4(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-class DenseReuse:
-    """Dense copies of chosen INT4 weights, made on first use by a many-row matmul and kept until the
-    scope that owns them ends (`dense_weights_reused`)."""
-
-    def __init__(self, weights: Iterable[Weight]) -> None:
-        self.keep = {id(w) for w in weights if isinstance(w, Int4Weight)}
-        self.dense: dict[int, tuple[Weight, torch.Tensor]] = {}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(d.nbytes for _, d in self.dense.values())
-
-
-_DENSE_REUSE = threading.local()  # .scope: the calling thread's innermost DenseReuse, if any
-
-
-@contextmanager
-def dense_weights_reused(weights: Iterable[Weight]) -> Iterator[DenseReuse]:
-    """Within the scope (per thread), a many-row (cuBLAS) matmul dequantizes each of `weights` once and
-    reuses the copy: a prefill through a looped body otherwise dequantizes every body matrix once per loop
-    (H200, seed-407m, 128 tokens at 8 loops: 1.5 of 4.4 ms of kernel time). The copies are freed when it
-    ends."""
-    outer = getattr(_DENSE_REUSE, "scope", None)
-    scope = _DENSE_REUSE.scope = DenseReuse(weights)
-    try:
-        yield scope
-    finally:
-        _DENSE_REUSE.scope = outer
-
-
 def _dense_weight(w: Weight, dtype: torch.dtype) -> torch.Tensor:
-    """w as a dense [N, K] tensor in `dtype` (INT4 dequantized, or reused from the active scope)."""
+    """w as a dense [N, K] tensor in `dtype` (INT4 dequantized into scratch)."""
     if isinstance(w, torch.Tensor):
         return w.to(dtype)
     if not isinstance(w, Int4Weight):
         raise TypeError(f"the CUDA kernels take INT4 or 16-bit weights, got {type(w).__name__}")
-    scope: DenseReuse | None = getattr(_DENSE_REUSE, "scope", None)
-    if scope is None or id(w) not in scope.keep:
-        return dequantize_int4(w, dtype)
-    hit = scope.dense.get(id(w))
-    if hit is None or hit[1].dtype != dtype:
-        hit = scope.dense[id(w)] = (w, dequantize_int4(w, dtype))
-    return hit[1]
+    return dequantize_int4(w, dtype)
 
 
 def _linear_unfused(
@@ -352,8 +316,7 @@ def _product(
     h: torch.Tensor, w: Weight, b: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor | None
 ) -> torch.Tensor:
     """h @ w.T (+ b) (+ residual: only without b), accumulated in float32 and rounded once, into `out` (or a
-    new tensor): cuBLAS on the weight in h's dtype (INT4 dequantized into scratch, or taken from the
-    dense-weight reuse scope)."""
+    new tensor): cuBLAS on the weight in h's dtype (INT4 dequantized into scratch)."""
     if residual is not None and b is not None:
         raise ValueError("_product fuses a bias or a residual, not both")
     if out is None and residual is not None:

@@ -24,7 +24,7 @@ import torch
 from tinyloop.cache.kv import KVCache
 from tinyloop.kernels import l2_residency
 from tinyloop.kernels.attention_backend import sdpa
-from tinyloop.kernels.cuda_ops import CudaKernels, dense_weights_reused
+from tinyloop.kernels.cuda_ops import CudaKernels, dequantize_int4
 from tinyloop.kernels.dispatch import Weight, embedding
 from tinyloop.log import detail, info
 from tinyloop.model.looped import ForwardOutput, run
@@ -44,10 +44,10 @@ ROPE_ATTENTION_ONE_KERNEL = True
 # length visits them all: with 8 kept, seed-407m's (2, 8) run on the H200 re-captured graphs every round
 # and decoded at 231 tokens/s against 573 plain. The graphs share one memory pool, so each costs little.
 MAX_GRAPHS = 32
-# A prefill dequantizes the looped body once (not once per loop) when its 16-bit copy takes at most this
-# share of the device's memory (seed-407m: 411 MB; Ouro-1.4B's shape: 2.7 GB); larger bodies dequantize
-# each matrix into scratch before every use.
-DENSE_BODY_MAX_FRACTION = 0.125
+# Many-row steps (KernelPolicy.dense_copy_min_rows) keep 16-bit copies of the INT4 matrices when they take
+# at most this share of the device's memory (seed-407m: 822 MB in bf16; Ouro-1.4B's shape: 2.9 GB); larger
+# models dequantize each matrix into scratch before every many-row product.
+DENSE_COPY_MAX_FRACTION = 0.125
 
 
 @dataclass
@@ -107,15 +107,15 @@ class FusedDecoder:
         w = self.engine.weights
         self._gate_weight = None if w.exit_gate_weight is None else w.exit_gate_weight.float().reshape(1, -1)
         self._gate_bias = None if w.exit_gate_bias is None else w.exit_gate_bias.float().reshape(1)
-        # The matrices each loop multiplies: the concat adapter's and the body's.
         adapter = [] if w.adapter is None else [w.adapter]
-        self._body_matrices = [*adapter, *(m for lw in w.body for m in lw.matrices())]
-        int4_numel = sum(m.shape[0] * m.shape[1] for m in self._body_matrices if isinstance(m, Int4Weight))
-        budget = DENSE_BODY_MAX_FRACTION * _device_memory_bytes(engine.device)
-        self._reuse_dense_body = 0 < 2 * int4_numel <= budget
-        # The most bytes a prefill's dense body copies took: transient (freed when the step ends), so not in
-        # vram_usage_mb, which counts what stays allocated.
-        self.dense_body_bytes = 0
+        matrices = [*adapter, *(m for lw in self._all_layers() for m in lw.matrices()), w.head]
+        self._int4_matrices = [m for m in matrices if isinstance(m, Int4Weight)]
+        int4_numel = sum(m.shape[0] * m.shape[1] for m in self._int4_matrices)
+        budget = DENSE_COPY_MAX_FRACTION * _device_memory_bytes(engine.device)
+        self._dense_copies_fit = 0 < int4_numel * engine.dtype.itemsize <= budget
+        # id(INT4 matrix) -> its 16-bit copy, made by the first step of dense_copy_min_rows rows.
+        self._dense_copies: dict[int, torch.Tensor] = {}
+        self.dense_copy_bytes = 0  # counted in vram_usage_mb
         self._qkv_bias: dict[int, torch.Tensor | None] = {}
         for lw in self._all_layers():
             self._qkv_bias[id(lw)] = self._combined_bias(lw)
@@ -168,7 +168,7 @@ class FusedDecoder:
             return None
         positions = (begin[:, None] + torch.arange(T)[None, :]).reshape(-1)
         dev = self.engine.device
-        if l2_residency.SHARE_OFF_DURING_PREFILL and self.kernels.int4_rows_on_cublas(B * T):
+        if l2_residency.SHARE_OFF_DURING_PREFILL and self._rows_on_cublas(B * T):
             self._drop_share()
         if resume is not None:
             resume = (resume[0].to(dev, self.engine.dtype), resume[1].to(dev, self.engine.dtype))
@@ -208,6 +208,26 @@ class FusedDecoder:
         self._pool = None
         self._scratch = None
         self.graph_bytes = 0
+        self._dense_copies = {}
+        self.dense_copy_bytes = 0
+
+    def dense_copies(self, rows: int) -> dict[int, torch.Tensor]:
+        """The 16-bit copies a step of `rows` rows multiplies instead of the INT4 matrices (by id), made on
+        first use; empty where the policy or the memory budget says the INT4 kernels."""
+        min_rows = self.kernels.policy.dense_copy_min_rows
+        if not (min_rows and rows >= min_rows and self._dense_copies_fit and self.kernels.policy.cublas_16bit):
+            return {}
+        if not self._dense_copies:
+            copies = {id(m): dequantize_int4(m, self.engine.dtype) for m in self._int4_matrices}
+            self.dense_copy_bytes = sum(c.nbytes for c in copies.values())
+            info(f"many-row steps: 16-bit copies of the INT4 matrices kept ({self.dense_copy_bytes / 2**20:.0f} MiB)")
+            self._dense_copies = copies
+        return self._dense_copies
+
+    def _rows_on_cublas(self, rows: int) -> bool:
+        """Whether a step of `rows` rows multiplies through cuBLAS (16-bit copies, or INT4 dequantized into
+        scratch) rather than the INT4 kernels."""
+        return self.kernels.int4_rows_on_cublas(rows) or bool(self.dense_copies(rows))
 
     def _scratch_cache(self, batch: int, tokens: int, loops: int) -> KVCache:
         scratch = self._scratch
@@ -282,7 +302,7 @@ class FusedDecoder:
         to dequantize it, and its GEMMs read the 16-bit copies, which the window does not cover). On the H200
         this alone did not remove the prefill cost of L2 residency (still +3-7 % on a body that
         fits): the persisting share itself takes L2 from the GEMMs (see l2_residency.SHARE_OFF_DURING_PREFILL)."""
-        return None if self.kernels.int4_rows_on_cublas(rows) else self.engine.l2_window
+        return None if self._rows_on_cublas(rows) else self.engine.l2_window
 
     def _capture_stream(self) -> torch.cuda.Stream:
         """The stream graphs are captured from, one per decoder; it carries the engine's L2 window (if any)
@@ -292,20 +312,6 @@ class FusedDecoder:
         return self._stream
 
     # ---- the fused forward -------------------------------------------------------------------
-    @contextmanager
-    def _dense_body_scope(self, rows: int, loops_run: int) -> Iterator[None]:
-        """Around a step whose matmuls go to cuBLAS (a prefill) and that runs the body more than once: the
-        body's INT4 matrices dequantized once for all loops, where their 16-bit copies fit the budget."""
-        cublas_step = self.kernels.int4_rows_on_cublas(rows)
-        if not (self._reuse_dense_body and cublas_step and loops_run > 1):
-            yield
-            return
-        with dense_weights_reused(self._body_matrices) as reuse:
-            yield
-            if reuse.nbytes > self.dense_body_bytes:
-                detail(f"prefill: body dequantized once for all loops ({reuse.nbytes / 2**20:.0f} MiB while it runs)")
-                self.dense_body_bytes = reuse.nbytes
-
     def _forward(
         self,
         tokens: torch.Tensor,
@@ -317,9 +323,8 @@ class FusedDecoder:
         start_loop: int = 0,
     ) -> ForwardOutput:
         """The model's forward over `_FusedOps` (under graph capture: recorded once, replayed as kernels)."""
-        with self._dense_body_scope(tokens.numel(), loops - start_loop):
-            ops = _FusedOps(self, cache, positions, tokens.shape[0], tokens.shape[1], last_only)
-            return run(ops, self.engine.weights, self.cfg, tokens, loops, resume=resume, start_loop=start_loop)
+        ops = _FusedOps(self, cache, positions, tokens.shape[0], tokens.shape[1], last_only)
+        return run(ops, self.engine.weights, self.cfg, tokens, loops, resume=resume, start_loop=start_loop)
 
     def _gate_logit(self, s: torch.Tensor) -> torch.Tensor:
         """The exit gate's logit per row in float32: for decode-sized steps one matvec launch in the PDL
@@ -341,6 +346,11 @@ class _FusedOps:
         self.dec, self.k, self.cache, self.positions = dec, dec.kernels, cache, positions
         self.cfg, self.eng = dec.cfg, dec.engine
         self.B, self.T, self.last_only = B, T, last_only
+        self.dense = dec.dense_copies(B * T)
+
+    def _w(self, w: Weight) -> Weight:
+        """The weight this step multiplies: its 16-bit copy in many-row steps, else w."""
+        return self.dense.get(id(w), w) if self.dense else w
 
     def embed(self, tokens: torch.Tensor, scale: float) -> torch.Tensor:
         x = embedding(tokens, self.eng.weights.embed, self.eng.dtype)
@@ -349,7 +359,7 @@ class _FusedOps:
 
     def attention(self, x: torch.Tensor, lw: LayerWeights, slot: int) -> torch.Tensor:
         cfg, eng, k, T = self.cfg, self.eng, self.k, self.T
-        qkv = k.fused_linear(x, lw.qkv, norm_weight=lw.attn_norm.weight, eps=cfg.norm_eps,
+        qkv = k.fused_linear(x, self._w(lw.qkv), norm_weight=lw.attn_norm.weight, eps=cfg.norm_eps,
                              bias=self.dec._qkv_bias[id(lw)])  # fmt: skip
         k_cache, v_cache = self.cache.k[slot], self.cache.v[slot]
         interleaved = cfg.rope_pairing == "interleaved"
@@ -369,6 +379,7 @@ class _FusedOps:
     def project(
         self, h: torch.Tensor, w: Weight, residual: torch.Tensor | None = None, *, into_residual: bool = False
     ) -> torch.Tensor:
+        w = self._w(w)
         if residual is None:
             return self.k.fused_linear(h, w)
         if into_residual:
@@ -383,7 +394,7 @@ class _FusedOps:
         act = self.k.ACT_SWIGLU if lw.gate_up is not None else self.k.ACT_GELU
         up = lw.gate_up if lw.gate_up is not None else lw.up
         assert up is not None
-        return self.k.fused_linear(x, up, norm_weight=lw.mlp_norm.weight, eps=self.cfg.norm_eps, act=act)
+        return self.k.fused_linear(x, self._w(up), norm_weight=lw.mlp_norm.weight, eps=self.cfg.norm_eps, act=act)
 
     def norm(self, x: torch.Tensor, n: Norm) -> torch.Tensor:
         return self.k.rms_norm(x, n.weight, self.cfg.norm_eps)
@@ -392,7 +403,7 @@ class _FusedOps:
         return self.k.add(a, b)
 
     def concat_project(self, state: torch.Tensor, prelude_out: torch.Tensor, adapter: Weight) -> torch.Tensor:
-        return self.k.fused_linear(torch.cat((state, prelude_out), dim=-1), adapter)
+        return self.k.fused_linear(torch.cat((state, prelude_out), dim=-1), self._w(adapter))
 
     def zeros_state(self, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(like)
@@ -409,7 +420,7 @@ class _FusedOps:
 
     def head(self, x: torch.Tensor, n: Norm | None, scale: float) -> torch.Tensor:
         rows = x.view(self.B, self.T, -1)[:, -1] if self.last_only else x
-        logits = self.k.fused_linear(rows, self.eng.weights.head, norm_weight=None if n is None else n.weight,
+        logits = self.k.fused_linear(rows, self._w(self.eng.weights.head), norm_weight=None if n is None else n.weight,
                                      eps=self.cfg.norm_eps, out_dtype=torch.float32)  # fmt: skip
         if scale != 1.0:
             logits = logits * scale
