@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gen_helpers import tiny_engine
+from gen_helpers import one_row, tiny_engine
 
 from tinyloop.api.model import Model
 from tinyloop.model.slots import body_slot
+from tinyloop.runtime.decode import decode_row
 from tinyloop.runtime.depth_schedule import DepthSchedule
-from tinyloop.runtime.generate import stream_tokens
 from tinyloop.sampling import SamplingParams
 
 
@@ -30,7 +30,7 @@ def test_warmup_follows_the_documented_rule() -> None:
     prompt = torch.tensor(list(b"The meaning"))
     cache = engine.new_cache(1, 64, loops)
     params = SamplingParams(temperature=0.0)
-    got = list(stream_tokens(engine, cache, prompt, 6, loops, params, schedule=DepthSchedule(n_warm, shallow)))
+    got = list(decode_row(engine, cache, one_row(prompt, 6, loops, params, schedule=DepthSchedule(n_warm, shallow))))
     p0 = len(prompt)
     # Rule: at each shallow position, every skipped iteration's slots hold iteration shallow-1's K/V.
     for pos in range(p0, p0 + n_warm):

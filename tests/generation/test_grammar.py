@@ -8,13 +8,14 @@ import re
 import jsonschema
 import pytest
 import torch
-from gen_helpers import tiny_engine
+from gen_helpers import one_row, tiny_engine
 
 from tinyloop import Grammar
 from tinyloop.api.model import Model
 from tinyloop.grammar.vocab import TokenVocab, byte_level_pieces
-from tinyloop.runtime.generate import GenerationStats, stream_tokens
+from tinyloop.runtime.decode import decode_row
 from tinyloop.runtime.speculative import SpecConfig, SpeculativeStats, speculative_tokens
+from tinyloop.runtime.stats import GenerationStats
 from tinyloop.sampling import SamplingParams
 
 SCHEMA = {
@@ -151,7 +152,9 @@ def test_bpe_vocab_outputs_fully_match(bpe_vocab) -> None:
         stats = GenerationStats()
         params = SamplingParams(temperature=1.0, top_k=0, seed=i)
         out = list(
-            stream_tokens(engine, engine.new_cache(1, 80, 2), torch.tensor([5, 6]), 48, 2, params, stats, grammar=index)
+            decode_row(
+                engine, engine.new_cache(1, 80, 2), one_row(torch.tensor([5, 6]), 48, 2, params, stats, grammar=index)
+            )
         )
         text = bpe_vocab.decode_bytes(out).decode("utf-8")
         assert stats.finished and re.fullmatch(pattern, text), (pattern, text)
@@ -162,7 +165,9 @@ def test_bpe_vocab_outputs_fully_match(bpe_vocab) -> None:
         stats = GenerationStats()
         params = SamplingParams(temperature=1.0, top_k=0, seed=seed)
         out = list(
-            stream_tokens(engine, engine.new_cache(1, 240, 2), torch.tensor([5]), 200, 2, params, stats, grammar=index)
+            decode_row(
+                engine, engine.new_cache(1, 240, 2), one_row(torch.tensor([5]), 200, 2, params, stats, grammar=index)
+            )
         )
         jsonschema.validate(json.loads(bpe_vocab.decode_bytes(out)), SCHEMA)
     spec_stats = SpeculativeStats()

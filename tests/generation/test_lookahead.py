@@ -10,15 +10,16 @@ from typing import Any
 
 import pytest
 import torch
+from gen_helpers import one_row
 
 import tinyloop
 from tinyloop.cache.kv import KVCache
 from tinyloop.errors import NonFiniteLogitsError
 from tinyloop.runtime import decode
-from tinyloop.runtime.decode import Row, decode_rows
+from tinyloop.runtime.decode import Row, decode_row, decode_rows
 from tinyloop.runtime.engine import Engine
-from tinyloop.runtime.generate import GenerationStats, stream_tokens
 from tinyloop.runtime.sampling import TokenPicker
+from tinyloop.runtime.stats import GenerationStats
 from tinyloop.sampling import SamplingParams
 
 PROMPT = torch.tensor(list(b"Hello, looped world"), dtype=torch.long)
@@ -125,7 +126,9 @@ def _single(engine: Engine, counts: dict[str, int], lookahead: bool, max_tokens:
     counts.update(steps=0, reads=0)
     cache = engine.new_cache(1, MAX_SEQ, 4)
     stats = GenerationStats()
-    stream = stream_tokens(engine, cache, PROMPT, max_tokens, 4, GREEDY, stats, stop_tokens=stops, lookahead=lookahead)
+    stream = decode_row(
+        engine, cache, one_row(PROMPT, max_tokens, 4, GREEDY, stats, stop_tokens=stops), lookahead=lookahead
+    )
     out = []
     for tok in stream:
         out.append(tok)
@@ -238,7 +241,7 @@ def test_non_finite_logits_raise_for_that_call(engine: Engine, monkeypatch: pyte
         got: list[int] = []
         with pytest.raises(NonFiniteLogitsError):
             cache = engine.new_cache(1, MAX_SEQ, 4)
-            for tok in stream_tokens(engine, cache, PROMPT, 8, 4, GREEDY, lookahead=lookahead):
+            for tok in decode_row(engine, cache, one_row(PROMPT, 8, 4, GREEDY), lookahead=lookahead):
                 got.append(tok)
         assert got == full[:bad], lookahead
 

@@ -12,10 +12,10 @@ import math
 import torch
 from gen_helpers import tiny_engine
 
-from tinyloop.runtime.generate import SamplingParams
 from tinyloop.runtime.sampling import filtered_probs
 from tinyloop.runtime.spec_accept import accept_draft
 from tinyloop.runtime.speculative import SpecConfig, SpeculativeStats, speculative_tokens
+from tinyloop.sampling import SamplingParams
 
 Z_999 = 3.090  # one-sided normal quantile for significance 0.001
 

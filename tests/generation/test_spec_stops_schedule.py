@@ -6,15 +6,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gen_helpers import PROMPTS, tiny_engine
+from gen_helpers import PROMPTS, one_row, tiny_engine
 
 from tinyloop.api.model import Model
 from tinyloop.cache.factory import KVModeChoice, make_cache
 from tinyloop.cache.kv import KVCache
 from tinyloop.model.layers import StepContext
+from tinyloop.runtime.decode import decode_row
 from tinyloop.runtime.depth_schedule import DepthSchedule
-from tinyloop.runtime.generate import GenerationStats, stream_tokens
 from tinyloop.runtime.speculative import SpecConfig, SpeculativeStats, speculative_tokens
+from tinyloop.runtime.stats import GenerationStats
 from tinyloop.sampling import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -28,7 +29,7 @@ def model(tiny_files):
 
 def _plain(engine, ids, n, loops, **kw) -> tuple[list[int], GenerationStats]:
     stats = GenerationStats()
-    out = list(stream_tokens(engine, engine.new_cache(1, 128, loops), ids, n, loops, GREEDY, stats, **kw))
+    out = list(decode_row(engine, engine.new_cache(1, 128, loops), one_row(ids, n, loops, GREEDY, stats, **kw)))
     return out, stats
 
 
@@ -181,10 +182,10 @@ def test_depth_schedule_with_sliding_window_equals_masked_full_cache(window, war
     for prompt in PROMPTS[:2]:
         ids = torch.tensor(list(prompt))
         ring = make_cache(KVModeChoice("window", window), engine.cfg, 1, 128, loops, torch.device("cpu"), engine.dtype)
-        got = list(stream_tokens(engine, ring, ids, n, loops, GREEDY, schedule=schedule))
+        got = list(decode_row(engine, ring, one_row(ids, n, loops, GREEDY, schedule=schedule)))
         ring.check_integrity()
         ref_cache = _MaskedFullCache(engine, 128, loops, window)
-        ref = list(stream_tokens(engine, ref_cache, ids, n, loops, GREEDY, schedule=schedule))  # type: ignore[arg-type]
+        ref = list(decode_row(engine, ref_cache, one_row(ids, n, loops, GREEDY, schedule=schedule)))  # type: ignore[arg-type]
         assert got == ref
         # Both hold the same K/V for the positions still in the ring.
         end = int(ring.lengths[0])

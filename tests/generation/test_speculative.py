@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gen_helpers import PROMPTS, tiny_engine
+from gen_helpers import PROMPTS, one_row, tiny_engine
 
 from tinyloop.api.model import Model
-from tinyloop.runtime.generate import stream_tokens
+from tinyloop.runtime.decode import decode_row
 from tinyloop.runtime.speculative import SpecConfig, SpeculativeStats, speculative_tokens
 from tinyloop.sampling import SamplingParams
 
@@ -40,7 +40,9 @@ def test_greedy_identity_when_drafts_are_often_right(draft, verify, resume) -> N
     for prompt in PROMPTS[1:3]:
         ids = torch.tensor(list(prompt))
         plain = list(
-            stream_tokens(engine, engine.new_cache(1, 128, verify), ids, 32, verify, SamplingParams(temperature=0.0))
+            decode_row(
+                engine, engine.new_cache(1, 128, verify), one_row(ids, 32, verify, SamplingParams(temperature=0.0))
+            )
         )
         stats = SpeculativeStats()
         spec = SpecConfig(draft, verify, 4, adaptive=False, resume_verify=resume)
@@ -61,7 +63,9 @@ def test_draft_ahead_beyond_what_is_left(model, max_tokens) -> None:
     np.testing.assert_array_equal(res.tokens, plain)
     engine = tiny_engine(contractive=0.0)  # every draft accepted: rounds end exactly at max_tokens
     ids = torch.tensor(prompt)
-    ref = list(stream_tokens(engine, engine.new_cache(1, 64, 4), ids, max_tokens, 4, SamplingParams(temperature=0.0)))
+    ref = list(
+        decode_row(engine, engine.new_cache(1, 64, 4), one_row(ids, max_tokens, 4, SamplingParams(temperature=0.0)))
+    )
     spec = SpecConfig(1, 4, 8, adaptive=False)
     got = list(
         speculative_tokens(engine, engine.new_cache(1, 64, 4), ids, max_tokens, spec, SamplingParams(temperature=0.0))

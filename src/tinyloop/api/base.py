@@ -29,8 +29,9 @@ from tinyloop.format.header import read_header
 from tinyloop.format.tokenizer_meta import parse_tokenizer_meta
 from tinyloop.kernels import l2_residency
 from tinyloop.model.weights import weight_bytes
-from tinyloop.runtime.generate import stream_tokens
+from tinyloop.runtime.decode import Row, decode_row
 from tinyloop.runtime.loader import load_engine, pick_device
+from tinyloop.runtime.sampling import TokenPicker
 from tinyloop.runtime.stats import GenerationStats
 from tinyloop.sampling import SamplingParams
 from tinyloop.stochastic.weight import CrossIterRound
@@ -190,10 +191,8 @@ class ModelBase:
         def tokens() -> Iterator[int]:
             assert params.loops is not None
             with self._request_cache(params.loops) as cache:
-                yield from stream_tokens(
-                    engine, cache, ids, params.max_tokens, params.loops, params, stats,
-                    grammar=index, stop_tokens=params.stop_tokens, schedule=schedule,
-                )  # fmt: skip
+                picker = TokenPicker(params, index, params.stop_tokens)
+                yield from decode_row(engine, cache, Row(ids, params.loops, params.max_tokens, picker, schedule, stats))
 
         return finish_stream(tokens(), vocab, list(params.stop), text, stats)
 

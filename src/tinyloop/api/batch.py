@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from typing import Any
 
 import numpy as np
@@ -89,8 +90,9 @@ class BatchMixin(ModelBase):
         max_seq = max(int(rows[b].prompt.numel()) + rows[b].max_tokens for b in live)
         loops = max(rows[b].loops for b in live)
         cache = make_cache(self.kv, self.header.config, len(live), max_seq, loops, engine.device, engine.dtype)
-        try:
-            for i, token in decode_rows(engine, cache, [rows[b] for b in live]):
+        # Closing this stream closes the loop's, which ends every row ("closed").
+        with closing(decode_rows(engine, cache, [rows[b] for b in live])) as steps:
+            for i, token in steps:
                 b = live[i]
                 flt = filters[b]
                 if flt is None:
@@ -100,13 +102,9 @@ class BatchMixin(ModelBase):
                 if flt.matched:
                     rows[b].finish("stop_string")
                 yield from ((b, t) for t, _ in released)
-            for b, flt in enumerate(filters):
-                if flt is not None and not flt.matched:
-                    yield from ((b, t) for t, _ in flt.flush())
-        except GeneratorExit:
-            for row in rows:
-                row.finish("closed")
-            raise
+        for b, flt in enumerate(filters):
+            if flt is not None and not flt.matched:
+                yield from ((b, t) for t, _ in flt.flush())
 
     def generate_batch(
         self,

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from tinyloop.cache.base import StepCache
-from tinyloop.runtime.decode import Row, decode_rows
+from tinyloop.runtime.decode import Row, decode_row
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.sampling import TokenPicker
 from tinyloop.runtime.stats import GenerationStats
@@ -32,4 +32,4 @@ def continue_tokens(
     """
     row = Row(sequence, loops, max_tokens, TokenPicker(params, None, params.stop_tokens), stats=stats,
               start=first_logits)  # fmt: skip
-    yield from (token for _, token in decode_rows(engine, cache, [row]))
+    yield from decode_row(engine, cache, row)

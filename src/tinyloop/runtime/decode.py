@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field
 
 import torch
@@ -97,10 +98,22 @@ def decode_rows(
                 return
             if ahead is None:
                 logits = _next_logits(engine, cache, rows, loops)
+    except GeneratorExit:
+        for row in rows:
+            row.finish("closed")
+        raise
     finally:
+        for row in rows:
+            row.stats.finished = row.picker.accepting()
         if ahead is not None:
             assert cache is not None
             ahead.settle(cache, rows, ended=True)
+
+
+def decode_row(engine: Engine, cache: StepCache | None, row: Row, *, lookahead: bool | None = None) -> Iterator[int]:
+    """One request's tokens: `decode_rows` over a batch of one (closed with this iterator)."""
+    with closing(decode_rows(engine, cache, [row], lookahead=lookahead)) as steps:
+        yield from (token for _, token in steps)
 
 
 def _next_logits(engine: Engine, cache: StepCache | None, rows: Sequence[Row], loops: int) -> torch.Tensor:

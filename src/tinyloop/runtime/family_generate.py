@@ -11,7 +11,7 @@ import torch
 from tinyloop.cache.base import StepCache
 from tinyloop.cache.kv import KVCache
 from tinyloop.runtime.adaptive_exit import ExitCriterion, FamilyStats, rule_step
-from tinyloop.runtime.decode import Row, decode_rows
+from tinyloop.runtime.decode import Row, decode_row
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.family_exit import ExitRule, check_supported
 from tinyloop.runtime.sampling import TokenPicker
@@ -59,7 +59,7 @@ def stream_family(
 
         row = Row(prompt, loops, max_tokens, picker, stats=stats, start=first, step=step)
     try:
-        yield from (token for _, token in decode_rows(engine, work, [row]))
+        yield from decode_row(engine, work, row)
     finally:
         # The prompt runs the full depth; then one entry per decode step (its iterations).
         generated = stats.generated_tokens

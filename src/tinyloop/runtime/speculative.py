@@ -28,10 +28,10 @@ import torch
 
 from tinyloop.cache.base import StepCache
 from tinyloop.grammar.index import TokenIndex
+from tinyloop.runtime.decode import Row, decode_row
 from tinyloop.runtime.depth_schedule import DepthSchedule, fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
-from tinyloop.runtime.generate import GenerationStats, TokenPicker, stream_tokens
-from tinyloop.runtime.sampling import filtered_probs
+from tinyloop.runtime.sampling import TokenPicker, filtered_probs
 from tinyloop.runtime.spec_accept import accept_draft, normalized
 from tinyloop.runtime.spec_policy import DraftPolicy
 from tinyloop.sampling import SamplingParams
@@ -97,7 +97,7 @@ def speculative_tokens(
     schedule: DepthSchedule | None = None,
 ) -> Iterator[int]:
     """Yield up to max_tokens committed ids, distributed as plain decoding at spec.verify_loops (with the
-    same grammar, stop tokens and depth schedule: see stream_tokens)."""
+    same grammar, stop tokens and depth schedule: see decode_rows)."""
     stats = stats if stats is not None else SpeculativeStats()
     stats.prompt_tokens = int(prompt.numel())
     policy = DraftPolicy(
@@ -106,7 +106,8 @@ def speculative_tokens(
     if spec.adaptive and not policy.can_pay():
         # Plain decoding is the faster path on this device whatever the drafts: take it outright (on a GPU
         # with the host one step ahead) rather than paying for probe rounds that cannot win.
-        yield from _plain(engine, cache, prompt, max_tokens, spec, params, stats, grammar, stop_tokens, schedule)
+        picker = TokenPicker(params, grammar, stop_tokens)
+        yield from _plain(engine, cache, Row(prompt, spec.verify_loops, max_tokens, picker, schedule), stats)
         return
     picker = TokenPicker(params, grammar, stop_tokens)
     t0 = time.perf_counter()
@@ -120,26 +121,12 @@ def speculative_tokens(
         stats.finished = picker.accepting()
 
 
-def _plain(
-    engine: Engine,
-    cache: StepCache,
-    prompt: torch.Tensor,
-    max_tokens: int,
-    spec: SpecConfig,
-    params: SamplingParams,
-    stats: SpeculativeStats,
-    grammar: TokenIndex | None,
-    stop_tokens: frozenset[int],
-    schedule: DepthSchedule | None,
-) -> Iterator[int]:
-    """Plain decoding at the verify depth, reported through the speculative statistics."""
-    plain = GenerationStats()
+def _plain(engine: Engine, cache: StepCache, row: Row, stats: SpeculativeStats) -> Iterator[int]:
+    """Plain decoding of `row` (at the verify depth), reported through the speculative statistics."""
+    plain = row.stats
     t0 = time.perf_counter()
     try:
-        yield from stream_tokens(
-            engine, cache, prompt, max_tokens, spec.verify_loops, params, plain,
-            grammar=grammar, stop_tokens=stop_tokens, schedule=schedule,
-        )  # fmt: skip
+        yield from decode_row(engine, cache, row)
     finally:
         stats.time_s = time.perf_counter() - t0
         stats.generated_tokens, stats.prefill_s = plain.generated_tokens, plain.prefill_s
