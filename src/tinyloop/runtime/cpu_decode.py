@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from tinyloop.cache.dense import DenseKVCache
 from tinyloop.cache.kv import KVCache
 from tinyloop.config import ArchConfig
-from tinyloop.kernels import cpu_int4
+from tinyloop.kernels import cpu_int4, cpu_onednn
+from tinyloop.kernels.cpu_onednn import OneDnnMatrix
 from tinyloop.kernels.dispatch import Weight
 from tinyloop.model.looped import ForwardOutput, run
 from tinyloop.model.ops import gate_logit
@@ -36,8 +37,9 @@ SINGLE_THREAD_ROWS = 8
 SPAN_BUCKET = 16
 
 
-# A matrix as the decoder multiplies with it: dense [in, out] (see _mm_operand), or INT4 in the CPU kernel's layout.
-Matrix = torch.Tensor | CpuInt4Weight
+# A matrix as the decoder multiplies with it: float32 in oneDNN's layout, dense [in, out] where torch has no
+# oneDNN (see _mm_operand), or INT4 in the CPU kernel's layout.
+Matrix = torch.Tensor | OneDnnMatrix | CpuInt4Weight
 
 
 def supports(cfg: ArchConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype) -> bool:
@@ -51,13 +53,16 @@ def supports(cfg: ArchConfig, weights: ModelWeights, device: torch.device, dtype
     return all(isinstance(m, CpuInt4Weight) or (isinstance(m, torch.Tensor) and m.dtype == torch.float32) for m in mats)
 
 
-def _mm_operand(w: object) -> Matrix:
-    """w ([out, in]) as the [in, out] right operand of torch.mm, in the memory layout one row streams fastest:
-    input-major when out >= in, output-major when in > out (1.6x for 1024 -> 384 on this AVX2 CPU).
-    The CPU loader already stores matrices so, so this copies nothing for a loaded model. INT4 stays as is."""
+def _mm_operand(w: object, onednn: bool) -> Matrix:
+    """w ([out, in]) as the decoder multiplies with it: reordered for oneDNN (a copy), or, without it, as the
+    [in, out] right operand of torch.mm in the memory layout one row streams fastest: input-major when
+    out >= in, output-major when in > out (1.6x for 1024 -> 384 on an AVX2 CPU; the CPU loader already
+    stores matrices so, so this copies nothing). INT4 stays as is."""
     if isinstance(w, CpuInt4Weight):
         return w
     assert isinstance(w, torch.Tensor)
+    if onednn:
+        return cpu_onednn.pack(w)
     return w.t().contiguous() if w.shape[0] >= w.shape[1] else w.contiguous().t()
 
 
@@ -124,13 +129,17 @@ class _Buffers:
 
     def product(self, x: torch.Tensor, w: Matrix) -> torch.Tensor:
         """x [B, in] @ w, a new float32 tensor."""
+        if isinstance(w, OneDnnMatrix):
+            return cpu_onednn.matmul(x, w)
         if isinstance(w, CpuInt4Weight):
             return cpu_int4.matmul(self._int4_input(x), w).float()
         return torch.mm(x, w)
 
     def product_into(self, out: torch.Tensor, x: torch.Tensor, w: Matrix, plus: torch.Tensor | None = None) -> None:
         """out = x @ w (+ plus)."""
-        if isinstance(w, CpuInt4Weight):
+        if isinstance(w, OneDnnMatrix):
+            out.copy_(cpu_onednn.matmul(x, w) if plus is None else cpu_onednn.matmul_add(x, w, plus))
+        elif isinstance(w, CpuInt4Weight):
             y = cpu_int4.matmul(self._int4_input(x), w)
             if plus is None:
                 out.copy_(y)
@@ -143,7 +152,9 @@ class _Buffers:
 
     def accumulate(self, acc: torch.Tensor, x: torch.Tensor, w: Matrix) -> None:
         """acc += x @ w."""
-        if isinstance(w, CpuInt4Weight):
+        if isinstance(w, OneDnnMatrix):
+            acc.copy_(cpu_onednn.matmul_add(x, w, acc))
+        elif isinstance(w, CpuInt4Weight):
             acc.add_(cpu_int4.matmul(self._int4_input(x), w))
         else:
             acc.addmm_(x, w)
@@ -182,6 +193,7 @@ class CpuDecoder:
         self.cfg = cfg
         self.w = weights
         self.cos, self.sin, self.noise = cos, sin, noise
+        self.onednn = cpu_onednn.available()  # float32 matrices reordered for oneDNN (kernels/cpu_onednn.py)
         # What the forward hands the ops (a layer's weights, a matrix, a norm) -> its packed form here.
         self.packs: dict[int, _LayerPack] = {}
         self.operands: dict[int, Matrix] = {}
@@ -197,14 +209,15 @@ class CpuDecoder:
         self.adapter_prelude: Matrix | None = None
         if weights.adapter is not None:
             # The adapter reads cat(state, prelude_out): split by input half.
-            self.adapter_state = _mm_operand(_input_columns(weights.adapter, 0, d))
-            self.adapter_prelude = _mm_operand(_input_columns(weights.adapter, d, 2 * d))
+            self.adapter_state = _mm_operand(_input_columns(weights.adapter, 0, d), self.onednn)
+            self.adapter_prelude = _mm_operand(_input_columns(weights.adapter, d, 2 * d), self.onednn)
         embed, head = weights.embed, weights.head
         embed = embed.dense if isinstance(embed, CpuInt4Weight) else embed
         assert isinstance(embed, torch.Tensor) and isinstance(head, torch.Tensor | CpuInt4Weight)
         self.embed: torch.Tensor = embed
-        # [d, V] (a view: the tied table stays row-major for lookups)
-        self.head: Matrix = head if isinstance(head, CpuInt4Weight) else head.t()
+        # Without oneDNN, [d, V] as a view: the tied table stays row-major for lookups.
+        plain_head = isinstance(head, CpuInt4Weight) or not self.onednn
+        self.head: Matrix = head.t() if plain_head and isinstance(head, torch.Tensor) else _mm_operand(head, self.onednn)
         final_norm = self._norm_pack(weights.final_norm)
         if weights.final_norm is not None and final_norm is not None:
             self.norms[id(weights.final_norm)] = final_norm
@@ -235,14 +248,14 @@ class CpuDecoder:
         return _LayerPack(
             attn_norm=attn_norm,
             attn_post_norm=self._norm_pack(lw.attn_post_norm),
-            qkv=_mm_operand(lw.qkv),
+            qkv=_mm_operand(lw.qkv, self.onednn),
             qkv_bias=bias,
-            out=_mm_operand(lw.out),
+            out=_mm_operand(lw.out, self.onednn),
             mlp_norm=mlp_norm,
             mlp_post_norm=self._norm_pack(lw.mlp_post_norm),
-            gate_up=None if lw.gate_up is None else _mm_operand(lw.gate_up),
-            up=None if lw.up is None else _mm_operand(lw.up),
-            down=_mm_operand(lw.down),
+            gate_up=None if lw.gate_up is None else _mm_operand(lw.gate_up, self.onednn),
+            up=None if lw.up is None else _mm_operand(lw.up, self.onednn),
+            down=_mm_operand(lw.down, self.onednn),
         )
 
     # ---- per step --------------------------------------------------------------------------------
