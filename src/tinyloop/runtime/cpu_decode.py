@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from tinyloop.cache.dense import DenseKVCache
 from tinyloop.cache.kv import KVCache
+from tinyloop.cache.memory import available_host_bytes
 from tinyloop.config import ArchConfig
 from tinyloop.kernels import cpu_int4, cpu_onednn
 from tinyloop.kernels.cpu_onednn import OneDnnMatrix
@@ -64,6 +65,15 @@ def _mm_operand(w: object, onednn: bool) -> Matrix:
     if onednn:
         return cpu_onednn.pack(w)
     return w.t().contiguous() if w.shape[0] >= w.shape[1] else w.contiguous().t()
+
+
+def _fits_twice(weights: ModelWeights) -> bool:
+    """Whether a reordered copy of the float32 matrices takes at most half the host's available memory."""
+    layers = (*weights.prelude, *weights.body, *weights.coda)
+    mats = [m for lw in layers for m in lw.matrices()] + [weights.head, weights.adapter]
+    nbytes = sum(m.numel() * 4 for m in mats if isinstance(m, torch.Tensor))
+    free = available_host_bytes()
+    return free is None or 2 * nbytes <= free
 
 
 def _input_columns(w: object, start: int, stop: int) -> torch.Tensor | CpuInt4Weight:
@@ -193,7 +203,8 @@ class CpuDecoder:
         self.cfg = cfg
         self.w = weights
         self.cos, self.sin, self.noise = cos, sin, noise
-        self.onednn = cpu_onednn.available()  # float32 matrices reordered for oneDNN (kernels/cpu_onednn.py)
+        # Float32 matrices reordered for oneDNN (kernels/cpu_onednn.py): a second copy, made where it fits.
+        self.onednn = cpu_onednn.available() and _fits_twice(weights)
         # What the forward hands the ops (a layer's weights, a matrix, a norm) -> its packed form here.
         self.packs: dict[int, _LayerPack] = {}
         self.operands: dict[int, Matrix] = {}
@@ -216,8 +227,11 @@ class CpuDecoder:
         assert isinstance(embed, torch.Tensor) and isinstance(head, torch.Tensor | CpuInt4Weight)
         self.embed: torch.Tensor = embed
         # Without oneDNN, [d, V] as a view: the tied table stays row-major for lookups.
-        plain_head = isinstance(head, CpuInt4Weight) or not self.onednn
-        self.head: Matrix = head.t() if plain_head and isinstance(head, torch.Tensor) else _mm_operand(head, self.onednn)
+        self.head: Matrix
+        if isinstance(head, torch.Tensor) and not self.onednn:
+            self.head = head.t()
+        else:
+            self.head = _mm_operand(head, self.onednn)
         final_norm = self._norm_pack(weights.final_norm)
         if weights.final_norm is not None and final_norm is not None:
             self.norms[id(weights.final_norm)] = final_norm
