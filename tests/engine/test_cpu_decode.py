@@ -22,7 +22,7 @@ from tinyloop.runtime.engine import Engine
 TOL = 1e-5
 
 
-def fast_step(fast: Engine, tokens: torch.Tensor, cache: KVCache, loops: int) -> ForwardOutput:
+def fast_step(fast: Engine, tokens: torch.Tensor, cache: KVCache, loops: int, last_only: bool = True) -> ForwardOutput:
     """fast.step, failing if the step fell back to the generic forward."""
 
     def refuse(*args: object, **kwargs: object) -> ForwardOutput:
@@ -31,7 +31,7 @@ def fast_step(fast: Engine, tokens: torch.Tensor, cache: KVCache, loops: int) ->
     generic_forward = engine_module.forward
     engine_module.forward = refuse  # type: ignore[assignment]
     try:
-        return fast.step(tokens, cache, loops, last_only=True)
+        return fast.step(tokens, cache, loops, last_only=last_only)
     finally:
         engine_module.forward = generic_forward
 
@@ -85,6 +85,32 @@ def test_decode_matches_generic_and_naive(variant: str, loops: int) -> None:
     ref, _, _ = naive_forward(cfg, flat, tokens, loops, fast.noise)
     err = max_rel_error(torch.cat([g[0] for g in got]), ref[prompt:])
     assert err <= TOL, f"{variant} loops={loops}: max relative error {err:.2e} against the naive reference"
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_prefill_matches_generic_and_naive(variant: str) -> None:
+    """One row's prompt in two pieces (the second after what the cache holds): every position's logits and
+    the K/V written, then the last position alone (last_only) as the decode loop asks for it."""
+    cfg, flat, fast, generic = engines(variant)
+    loops = 3
+    tokens = torch.randint(0, cfg.vocab_size, (21,), generator=torch.Generator().manual_seed(7)).tolist()
+    caches = (fast.new_cache(1, 40, loops), generic.new_cache(1, 40, loops))
+    pieces = (tokens[:13], tokens[13:])
+    got = [fast_step(fast, torch.tensor([p]), caches[0], loops, last_only=False).logits for p in pieces]
+    ref = [generic.step(torch.tensor([p]), caches[1], loops).logits for p in pieces]
+    assert all(g is not None and r is not None and g.shape == r.shape for g, r in zip(got, ref, strict=True))
+    fast_logits, generic_logits = torch.cat(got, dim=1)[0], torch.cat(ref, dim=1)[0]  # type: ignore[arg-type]
+    assert max_rel_error(fast_logits, generic_logits) <= TOL
+    naive, _, _ = naive_forward(cfg, flat, tokens, loops, fast.noise)
+    assert max_rel_error(fast_logits, naive) <= TOL
+    assert torch.equal(caches[0].lengths, caches[1].lengths)
+    used = cfg.n_cache_slots(loops)
+    for name in ("k", "v"):
+        assert max_rel_error(getattr(caches[0], name)[:used], getattr(caches[1], name)[:used]) <= TOL, name
+    caches[0].truncate(0)
+    last = fast_step(fast, torch.tensor([tokens]), caches[0], loops).logits
+    assert last is not None and last.shape == (1, 1, cfg.vocab_size)
+    assert max_rel_error(last[0, 0], naive[-1]) <= TOL
 
 
 @pytest.mark.parametrize("variant", ["pre-concat-zeros-gqa", "huginn-like", "ouro-like", "layernorm-gelu-untied"])
@@ -150,6 +176,8 @@ def test_declines_what_it_does_not_handle() -> None:
     cache = fast.new_cache(2, 16, 2)
     at_end = torch.zeros(2, dtype=torch.long)
     assert decoder.decode(torch.tensor([[1, 2], [3, 4]]), cache, 2, None, True, at_end, None, 0) is None  # 2 tokens
+    long_prompt = torch.ones(1, cpu_decode.PREFILL_MAX_TOKENS + 1, dtype=torch.long)
+    assert decoder.decode(long_prompt, fast.new_cache(1, 300, 2), 2, None, True, at_end[:1], None, 0) is None
     assert decoder.decode(torch.tensor([[1], [2]]), cache, 2, torch.tensor([1, 0]), True, at_end, None, 0) is None
     assert decoder.decode(torch.tensor([[1]]), cache, 2, None, True, at_end[:1], None, 0) is None  # batch differs
     narrow = DenseKVCache(cfg, 1, 16, 2, "cpu", torch.float32, storage_dtype=torch.float16)

@@ -1,4 +1,5 @@
-"""The CPU decode step: one new token per row, in few torch ops and preallocated buffers.
+"""The CPU decode step: one new token per row, in few torch ops and preallocated buffers; and the prefill of
+one row's prompt (up to PREFILL_MAX_TOKENS, each token a row of the same ops, attending causally).
 
 A CPU decode step of a small looped model is bound by per-op overhead as much as by reading the
 weights (36 layer passes per token for the built-in model). The model's forward (model/looped.py) runs
@@ -36,6 +37,8 @@ _PLAIN_UPDATES = (KVCache.update, DenseKVCache.update)
 SINGLE_THREAD_ROWS = 8
 # The attended span grows in steps of this many positions (masked past each row's length).
 SPAN_BUCKET = 16
+# Longer prompts (whose [heads, tokens, span] scores would be large) take the generic forward's attention.
+PREFILL_MAX_TOKENS = 256
 
 
 # A matrix as the decoder multiplies with it: float32 in oneDNN's layout, dense [in, out] where torch has no
@@ -186,17 +189,21 @@ class _Step:
     """What every layer pass of one step shares."""
 
     rows: torch.Tensor  # [B]
-    pos: torch.Tensor  # [B] the new token's position in each row
+    pos: torch.Tensor  # [B] the new token's position in each row (a prefill: [T], each token's)
     k_at: torch.Tensor | None  # cache.k[:, :, :, p] when every row writes position p, else None
     v_at: torch.Tensor | None
     cos4: torch.Tensor  # [B, H + KVH, hd] as rot4's shape; the q part carries the 1/sqrt(hd) scale
     sin4: torch.Tensor  # signed: x * cos + swap_halves(x) * sin is the rotation
-    mask: torch.Tensor  # [B * KVH, 1, span] additive: 0 up to each row's position, -inf after
+    # Additive, 0 up to each row's position and -inf after: [B * KVH, 1, span]; a prefill's [1, T * G, span]
+    # (G query heads per KV head).
+    mask: torch.Tensor
     views: _CacheViews
+    prefill: bool = False  # the rows are T tokens of cache row 0, from position pos[0] on
 
 
 class CpuDecoder:
-    """Decode steps (T = 1) of a float32 model on CPU; anything else is declined (None)."""
+    """Decode steps (T = 1) and one row's prefill (B = 1, T <= PREFILL_MAX_TOKENS) of a float32 model on CPU,
+    appended after what the cache holds; anything else is declined (None)."""
 
     def __init__(self, cfg: ArchConfig, weights: ModelWeights, cos: torch.Tensor, sin: torch.Tensor,
                  noise: torch.Tensor | None) -> None:  # fmt: skip
@@ -290,15 +297,8 @@ class CpuDecoder:
         KVH = cfg.n_kv_heads
         pos = cache.lengths.clone()
         first, last = int(pos.min()), int(pos.max())
-        span = min(cache.max_seq, -(-(last + 1) // SPAN_BUCKET) * SPAN_BUCKET)
-        cos, sin = self.cos[pos], self.sin[pos]  # [B, hd/2]
-        if cfg.rope_pairing == "half":
-            c, s = torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
-        else:
-            c, s = torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2)
-        shape = (B, cfg.n_heads + KVH, *self._pairs)
-        cos4 = (c[:, None, :] * self._q_scale).view(shape)
-        sin4 = (s[:, None, :] * self._q_scale).view(shape)
+        span = self._span(cache, last + 1)
+        cos4, sin4 = self._rope(pos)
         mask = torch.zeros(B, span).masked_fill_(torch.arange(span)[None, :] > pos[:, None], float("-inf"))
         mask = mask[:, None, None, :].expand(B, KVH, 1, span).reshape(B * KVH, 1, span)
         uniform = first == last
@@ -312,6 +312,33 @@ class CpuDecoder:
             mask=mask,
             views=self._cache_views(cache, span),
         )
+
+    def _prefill_step(self, cache: KVCache, T: int) -> _Step:
+        """T tokens of cache row 0 after what it holds, each attending to the positions up to its own."""
+        G = self.cfg.n_heads // self.cfg.n_kv_heads
+        start = int(cache.lengths[0])
+        pos = torch.arange(start, start + T)
+        span = self._span(cache, start + T)
+        cos4, sin4 = self._rope(pos)
+        mask = torch.zeros(T, span).masked_fill_(torch.arange(span)[None, :] > pos[:, None], float("-inf"))
+        mask = mask[:, None, :].expand(T, G, span).reshape(1, T * G, span)
+        views = self._cache_views(cache, span)
+        return _Step(torch.zeros(T, dtype=torch.long), pos, None, None, cos4, sin4, mask, views, prefill=True)
+
+    @staticmethod
+    def _span(cache: KVCache, end: int) -> int:
+        return min(cache.max_seq, -(-end // SPAN_BUCKET) * SPAN_BUCKET)
+
+    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos4, sin4) of _Step for rows at positions pos."""
+        cfg = self.cfg
+        cos, sin = self.cos[pos], self.sin[pos]  # [N, hd/2]
+        if cfg.rope_pairing == "half":
+            c, s = torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
+        else:
+            c, s = torch.stack((cos, cos), -1).flatten(-2), torch.stack((-sin, sin), -1).flatten(-2)
+        shape = (pos.shape[0], cfg.n_heads + cfg.n_kv_heads, *self._pairs)
+        return (c[:, None, :] * self._q_scale).view(shape), (s[:, None, :] * self._q_scale).view(shape)
 
     # ---- layer pieces ----------------------------------------------------------------------------
     def _norm(self, buf: _Buffers, i: int, n: _NormPack) -> torch.Tensor:
@@ -337,13 +364,23 @@ class CpuDecoder:
         swapped = buf.qk4.flip(self._swap_dim)
         torch.mul(buf.qk4, st.cos4, out=buf.rot4)
         buf.rot4.addcmul_(swapped, st.sin4)  # RoPE on q and k: x * cos + swap_halves(x) * (-sin, sin)
+        B, KVH = h.shape[0], cfg.n_kv_heads
+        if st.prefill:
+            start = int(st.pos[0])
+            cache.k[slot][0, :, start : start + B] = buf.k.transpose(0, 1)
+            cache.v[slot][0, :, start : start + B] = buf.v.transpose(0, 1)
+            G, hd = cfg.n_heads // KVH, cfg.head_dim
+            q = buf.rot[:, : cfg.n_heads].view(B, KVH, G, hd).transpose(0, 1).reshape(KVH, B * G, hd)
+            scores = torch.baddbmm(st.mask, q, st.views.keys_t[slot])
+            out = torch.bmm(torch.softmax(scores, dim=-1), st.views.values[slot])  # [KVH, T * G, hd]
+            buf.attn.view(B, KVH, G, hd).copy_(out.view(KVH, B, G, hd).transpose(0, 1))
+            return
         if st.k_at is not None and st.v_at is not None:
             st.k_at[slot].copy_(buf.k)
             st.v_at[slot].copy_(buf.v)
         else:
             cache.k[slot][st.rows, :, st.pos] = buf.k
             cache.v[slot][st.rows, :, st.pos] = buf.v
-        B, KVH = h.shape[0], cfg.n_kv_heads
         q = buf.q3 if buf.q3 is not None else buf.rot[:, : cfg.n_heads].reshape(B * KVH, -1, cfg.head_dim)
         scores = torch.baddbmm(st.mask, q, st.views.keys_t[slot])
         torch.bmm(torch.softmax(scores, dim=-1), st.views.values[slot], out=buf.attn)
@@ -364,24 +401,30 @@ class CpuDecoder:
         resume: tuple[torch.Tensor, torch.Tensor] | None,
         start_loop: int,
     ) -> ForwardOutput | None:
-        """One new token per row appended after the cache; everything else is declined."""
+        """One new token per row, or one row's prompt, appended after the cache; everything else is declined."""
         B, T = tokens.shape
-        if cache is None or resume is not None or T != 1 or type(cache).update not in _PLAIN_UPDATES:
+        if cache is None or resume is not None or type(cache).update not in _PLAIN_UPDATES:
+            return None
+        if T != 1 and (B != 1 or T > PREFILL_MAX_TOKENS):
             return None
         if cache.batch != B or not bool((start == cache.lengths).all()):
             return None
-        if valid is not None and bool((valid.to("cpu") != 1).any()):
+        if valid is not None and bool((valid.to("cpu") != T).any()):
             return None
         previous = torch.get_num_threads()
-        single = B <= SINGLE_THREAD_ROWS and previous != 1
+        single = B * T <= (SINGLE_THREAD_ROWS if T == 1 else PREFILL_MAX_TOKENS) and previous != 1
         if single:
             torch.set_num_threads(1)
         try:
-            buf = self._buffers.get(B)
-            if buf is None:
-                buf = self._buffers[B] = _Buffers(self.cfg, B)
-            ops = _CpuOps(self, buf, self._step(cache, B), cache)
-            return run(ops, self.w, self.cfg, tokens.to("cpu", torch.long).view(B), loops)
+            if T == 1:
+                buf = self._buffers.get(B)
+                if buf is None:
+                    buf = self._buffers[B] = _Buffers(self.cfg, B)
+                st = self._step(cache, B)
+            else:  # prompts come in many lengths: their buffers are not kept
+                buf, st = _Buffers(self.cfg, T), self._prefill_step(cache, T)
+            ops = _CpuOps(self, buf, st, cache, T, last_only)
+            return run(ops, self.w, self.cfg, tokens.to("cpu", torch.long).view(B * T), loops)
         finally:
             if single:
                 torch.set_num_threads(previous)
@@ -393,9 +436,11 @@ class _CpuOps:
     reads the stream from there and leaves its result there, so values are that buffer (or a scratch buffer
     the next op consumes); `keep` copies what the forward reads later."""
 
-    def __init__(self, dec: CpuDecoder, buf: _Buffers, st: _Step, cache: KVCache) -> None:
+    def __init__(self, dec: CpuDecoder, buf: _Buffers, st: _Step, cache: KVCache, T: int, last_only: bool) -> None:
         self.dec, self.buf, self.st, self.cache = dec, buf, st, cache
-        self.B = st.pos.shape[0]
+        self.T = T  # tokens per batch row (a prefill's row holds them all)
+        self.B = st.pos.shape[0] // T
+        self.last_only = last_only
         self.cur = 0
         self.injected: torch.Tensor | None = None  # prelude_out's half of the adapter, once per step
         self.zero_state = False  # the state is the zero start (its half of the adapter adds exactly 0)
@@ -469,19 +514,21 @@ class _CpuOps:
         return x.clone()
 
     def gate(self, state: torch.Tensor) -> torch.Tensor:
-        return gate_logit(self.dec.w, state[:, None, :])
+        return gate_logit(self.dec.w, state[:, None, :]).view(self.B, self.T)
 
     def head(self, x: torch.Tensor, n: Norm | None, scale: float) -> torch.Tensor:
         dec = self.dec
         if n is not None:
             x = dec._norm(self.buf, self.cur, dec.norms[id(n)])
+        if self.last_only and self.T > 1:
+            x = x[-1:]
         logits = self.buf.product(x, dec.head)
         if scale != 1.0:
             logits.mul_(scale)
-        return logits.view(self.B, 1, -1)
+        return logits.view(self.B, -1, logits.shape[-1])
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        return x.view(self.B, 1, -1)
+        return x.view(self.B, self.T, -1)
 
     def where_rows(self, take_new: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         return new.copy_(torch.where(take_new.view(-1, 1), new, old))
