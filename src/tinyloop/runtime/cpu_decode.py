@@ -26,6 +26,7 @@ from tinyloop.config import ArchConfig
 from tinyloop.kernels import cpu_int4, cpu_onednn
 from tinyloop.kernels.cpu_onednn import OneDnnMatrix
 from tinyloop.kernels.dispatch import Weight
+from tinyloop.log import detail
 from tinyloop.model.looped import ForwardOutput, run
 from tinyloop.model.ops import gate_logit
 from tinyloop.model.weights import LayerWeights, ModelWeights, Norm
@@ -70,11 +71,14 @@ def _mm_operand(w: object, onednn: bool) -> Matrix:
     return w.t().contiguous() if w.shape[0] >= w.shape[1] else w.contiguous().t()
 
 
-def _fits_twice(weights: ModelWeights) -> bool:
-    """Whether a reordered copy of the float32 matrices takes at most half the host's available memory."""
+def _float32_matrix_bytes(weights: ModelWeights) -> int:
     layers = (*weights.prelude, *weights.body, *weights.coda)
     mats = [m for lw in layers for m in lw.matrices()] + [weights.head, weights.adapter]
-    nbytes = sum(m.numel() * 4 for m in mats if isinstance(m, torch.Tensor))
+    return sum(m.numel() * 4 for m in mats if isinstance(m, torch.Tensor))
+
+
+def _fits_twice(nbytes: int) -> bool:
+    """Whether a copy of nbytes takes at most half the host's available memory."""
     free = available_host_bytes()
     return free is None or 2 * nbytes <= free
 
@@ -211,7 +215,10 @@ class CpuDecoder:
         self.w = weights
         self.cos, self.sin, self.noise = cos, sin, noise
         # Float32 matrices reordered for oneDNN (kernels/cpu_onednn.py): a second copy, made where it fits.
-        self.onednn = cpu_onednn.available() and _fits_twice(weights)
+        copy_bytes = _float32_matrix_bytes(weights)
+        self.onednn = cpu_onednn.available() and copy_bytes > 0 and _fits_twice(copy_bytes)
+        if self.onednn:
+            detail(f"CPU decode path: oneDNN copies of the float32 matrices, {copy_bytes / 2**20:.1f} MiB")
         # What the forward hands the ops (a layer's weights, a matrix, a norm) -> its packed form here.
         self.packs: dict[int, _LayerPack] = {}
         self.operands: dict[int, Matrix] = {}
