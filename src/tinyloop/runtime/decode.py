@@ -132,8 +132,7 @@ def _can_look_ahead(cache: StepCache | None, rows: Sequence[Row], lookahead: boo
         lookahead
         and isinstance(cache, KVCache)
         and all(
-            row.picker.params.temperature == 0.0
-            and row.picker.grammar is None
+            row.picker.plain_greedy
             and row.picker.params.logprobs is None
             and row.schedule is None
             and row.exit is None
