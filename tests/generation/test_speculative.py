@@ -8,9 +8,14 @@ import torch
 from gen_helpers import PROMPTS, one_row, tiny_engine
 
 from tinyloop.api.model import Model
+from tinyloop.config import ArchConfig
+from tinyloop.presets import preset
 from tinyloop.runtime.decode import decode_row
+from tinyloop.runtime.spec_costs import LayerCosts, StepCosts
+from tinyloop.runtime.spec_policy import DraftPolicy
 from tinyloop.runtime.speculative import SpecConfig, SpeculativeStats, speculative_tokens
 from tinyloop.sampling import SamplingParams
+from tinyloop.train.tiny_config import TINY_CONFIG
 
 PAIRS = [(1, 4), (2, 8)]
 
@@ -108,22 +113,27 @@ def test_bad_arguments(model) -> None:
         model.generate_speculative([1, 2], 5, temperature=-1.0)
 
 
-def test_policy_primed_by_the_prompt() -> None:
-    from tinyloop.presets import preset
-    from tinyloop.runtime.spec_policy import DraftPolicy
+def prior_policy(
+    cfg: ArchConfig, draft: int, verify: int, ahead: int, adaptive: bool = True, device: str = "cpu"
+) -> DraftPolicy:
+    """A policy deciding by the layer-pass prior alone (what seeded sampling and CUDA use)."""
+    costs = StepCosts(LayerCosts.for_device(cfg, draft, verify, device), learn=False)
+    return DraftPolicy(costs, ahead, adaptive)
 
+
+def test_policy_primed_by_the_prompt() -> None:
     cfg = preset("test-tiny")
-    poor = DraftPolicy(cfg, 1, 4, 4, adaptive=True)
+    poor = prior_policy(cfg, 1, 4, 4)
     poor.prime(0.0, 64)  # drafts never agreed on the prompt: plain for 8 steps, then a one-token probe
     assert [poor.next_k(100) for _ in range(9)] == [0] * 8 + [1]
     poor.update(1, 0)  # the probe failed: a long pause
     assert [poor.next_k(100) for _ in range(65)] == [0] * 64 + [1]
     poor.update(1, 0)
     assert [poor.next_k(1000) for _ in range(129)] == [0] * 128 + [1]
-    good = DraftPolicy(cfg, 2, 8, 4, adaptive=True)
+    good = prior_policy(cfg, 2, 8, 4)
     good.prime(0.95, 64)
     assert good.next_k(100) == 4
-    pessimistic = DraftPolicy(preset("seed-407m"), 2, 8, 4, True, "cuda")
+    pessimistic = prior_policy(preset("seed-407m"), 2, 8, 4, device="cuda")
     pessimistic.prime(0.59, 64)  # seed-407m's agreement over a random prompt: not profitable on its own
     assert [pessimistic.next_k(100) for _ in range(9)] == [0] * 8 + [1]
     ks = []
@@ -131,7 +141,7 @@ def test_policy_primed_by_the_prompt() -> None:
         ks.append(pessimistic.next_k(100))
         pessimistic.update(ks[-1], ks[-1])
     assert ks == [1, 2, 4, 5, 6, 7]
-    fixed = DraftPolicy(cfg, 1, 4, 4, adaptive=False)
+    fixed = prior_policy(cfg, 1, 4, 4, adaptive=False)
     fixed.prime(0.0, 64)
     assert fixed.next_k(100) == 4
 
@@ -157,11 +167,7 @@ def test_policy_on_cuda_speculates_only_for_large_models() -> None:
     speculation cannot pay there: the adaptive policy starts plain and only probes; on CPU the same
     agreement starts speculating, and so does CUDA for a model of seed-407m's size (verification bound by
     weight bytes)."""
-    from tinyloop.presets import preset
-    from tinyloop.runtime.spec_policy import DraftPolicy
-    from tinyloop.train.tiny_config import TINY_CONFIG
-
-    large = DraftPolicy(preset("seed-407m"), 2, 8, 4, True, "cuda")
+    large = prior_policy(preset("seed-407m"), 2, 8, 4, device="cuda")
     large.prime(1.0, 64)
     assert large.can_pay() and large.next_k(100) == 4
     large.update(4, 4)
@@ -170,12 +176,12 @@ def test_policy_on_cuda_speculates_only_for_large_models() -> None:
         large.update(large.next_k(100) or 1, 0)
     assert large.next_k(100) == 0
 
-    cpu = DraftPolicy(TINY_CONFIG, 2, 8, 4, True, "cpu")
-    cuda = DraftPolicy(TINY_CONFIG, 2, 8, 4, True, "cuda")
+    cpu = prior_policy(TINY_CONFIG, 2, 8, 4)
+    cuda = prior_policy(TINY_CONFIG, 2, 8, 4, device="cuda")
     for policy in (cpu, cuda):
         policy.prime(1.0, 64)
     assert cpu.next_k(100) == 4
-    assert cuda.best_cost_per_token() > cuda.plain_cost()
+    assert cuda.best_cost_per_token() > cuda.costs.plain()
     assert [cuda.next_k(100) for _ in range(9)] == [0] * 8 + [1]  # a pause, then a probe
     assert cpu.can_pay() and not cuda.can_pay()
 
@@ -183,9 +189,9 @@ def test_policy_on_cuda_speculates_only_for_large_models() -> None:
 def test_speculation_that_cannot_pay_decodes_plain_outright(model, monkeypatch) -> None:
     """Where no draft length could beat plain decoding (the CUDA cost model, forced here on the CPU), the
     adaptive path is plain decoding itself: same tokens, no verify pass, the stats say so."""
-    from tinyloop.runtime import spec_policy
+    from tinyloop.runtime import spec_costs
 
-    monkeypatch.setitem(spec_policy.EXTRA_TOKEN_COST_BY_DEVICE, "cpu", 1.0)
+    monkeypatch.setitem(spec_costs.EXTRA_TOKEN_COST_BY_DEVICE, "cpu", 1.0)
     prompt = list(PROMPTS[1])
     plain = model.generate(prompt, 20, loops=8, temperature=0.0)
     res = model.generate_speculative(prompt, 20, 2, 8, 4)

@@ -2,71 +2,55 @@
 
 from __future__ import annotations
 
-from tinyloop.config import ArchConfig
+from tinyloop.runtime.spec_costs import StepCosts
 
-# A step's fixed work (embedding, head, sampling, launch) in units of one layer pass, and the extra cost
-# of each further token in a multi-token step relative to the first. Fixed constants keep the policy
-# deterministic, so a seeded run repeats exactly.
-STEP_OVERHEAD_LAYERS = 2.0
-EXTRA_TOKEN_COST = 0.15
-# On CUDA a one-token step runs the INT4 GEMV while a verification pass of 5-16 tokens runs the split-K
-# tensor-core kernel (two launches per matrix, about a quarter of the GEMV's bandwidth). Measured on an H200
-# at 2 / 8 with every draft accepted: each further token cost 0.41 of a step
-# for seed-407m (d_model 2048, bound by weight bytes) and 0.98 for the built-in tiny (d_model 384, bound
-# by launches), so CUDA models below CUDA_LARGE_D_MODEL count a full step and decode plain.
-EXTRA_TOKEN_COST_BY_DEVICE = {"cpu": EXTRA_TOKEN_COST, "cuda": 0.45}
-CUDA_SMALL_MODEL_EXTRA_TOKEN_COST = 1.0
-CUDA_LARGE_D_MODEL = 1024
 # Plain steps between probe rounds while speculation does not pay: a short first pause (one unlucky round
 # on a good workload costs little), then long ones that double up to the cap.
 BACKOFF_STEPS = (8, 64)
 BACKOFF_CAP = 512
 # The most prompt positions the prefill's agreement estimate counts as (see prime).
 PRIOR_POSITIONS = 8.0
+# Weight of the previous rounds in the acceptance counts and in speculation's cost per token, per round.
+DECAY = 0.8
 
 
 class DraftPolicy:
     """Chooses how many tokens to draft next (0: take a plain full-depth step instead).
 
-    Adaptive: the prefill measures how often the draft and verify depths agree over the prompt (prime);
-    without that estimate the first round drafts one token (the cheapest probe). The draft length doubles
-    after each fully accepted round up to `draft_ahead`, then grows by one up to 2 x draft_ahead, and
-    shrinks to one past the accepted count after a rejection. The per-token acceptance rate is tracked
-    (decayed counts). A fully accepted round is followed by another (it produced k + 1 tokens for less than
-    k + 1 plain steps, see can_pay); after a rejection, when a layer-pass cost model says that even the best
-    draft length would cost more per token than plain decoding, speculation pauses for plain steps (8,
-    then 64, doubling up to 512 while it stays unprofitable) and then probes again with a one-token draft.
-    A round the cost model finds profitable resets the pauses to 8. A prompt on which speculation would
-    not pay starts with the short pause whatever its length: agreement over a prompt the model did not
-    write is a pessimistic estimate of agreement over its own greedy continuation (seed-407m: 0.59 over
-    a random prompt, 1.0 while decoding), so it earns an early probe. On a workload whose drafts are
-    always rejected (and were on the prompt) decoding starts plain and probes after 8 tokens, 64 more,
-    128 more, and so on.
+    Adaptive: speculation runs while it costs less per token than plain decoding, by `costs` (seconds
+    measured on this machine; a layer-pass prior for a kind of step not timed yet). While learning, the
+    first steps are plain ones that time plain decoding (no slower than plain), as is one now and then.
+    The prefill measures how often the draft and verify depths agree over the prompt (prime): where the
+    best draft length's expected cost per token (from that agreement) beats a plain step, the first round
+    drafts `draft_ahead` tokens; without the estimate it drafts one (the cheapest probe).
+    The draft length doubles after each fully accepted round up to `draft_ahead`, then grows by one up to
+    2 x draft_ahead, and shrinks to one past the accepted count after a rejection; the next round drafts
+    the length nearest that one whose round would cost less than as many plain steps if fully accepted.
+    Speculation goes on after a fully accepted round while such a length exists, after a rejection while
+    also its cost per committed token over the recent rounds (decayed; each round at the current cost of
+    its length) is below a plain step's: acceptances come in runs, so this realized rate predicts the next
+    rounds better than a per-token acceptance rate would. Otherwise it pauses for plain steps (8, then 64,
+    doubling up to 512 while it stays unprofitable) and then probes with the shortest draft that could pay,
+    which also re-times the draft and verify steps; a round after which speculation goes on resets the
+    pauses to 8. A prompt on which speculation would not pay starts with the short pause whatever its
+    length: agreement over a prompt the model did not write is a pessimistic estimate of agreement over its
+    own greedy continuation (seed-407m: 0.59 over a random prompt, 1.0 while decoding), so it earns an
+    early probe. Where drafts are always rejected, or verify passes cost too much, decoding runs plain and
+    probes after 8 tokens, 64 more, 128 more, and so on.
 
     Not adaptive: always `draft_ahead` tokens.
     """
 
-    def __init__(
-        self,
-        cfg: ArchConfig,
-        draft_loops: int,
-        verify_loops: int,
-        draft_ahead: int,
-        adaptive: bool,
-        device_type: str = "cpu",
-    ):
-        self.cfg = cfg
-        self.extra_token_cost = EXTRA_TOKEN_COST_BY_DEVICE.get(device_type, EXTRA_TOKEN_COST)
-        if device_type == "cuda" and cfg.d_model < CUDA_LARGE_D_MODEL:
-            self.extra_token_cost = CUDA_SMALL_MODEL_EXTRA_TOKEN_COST
-        self.draft_loops = draft_loops
-        self.verify_loops = verify_loops
+    def __init__(self, costs: StepCosts, draft_ahead: int, adaptive: bool):
+        self.costs = costs
         self.adaptive = adaptive
         self.draft_ahead = draft_ahead
         self.k = 1 if adaptive else draft_ahead
         self.k_max = 2 * draft_ahead if adaptive else draft_ahead
         self._accepted = 0.0
         self._rejected = 0.0
+        self._round_cost = 0.0  # decayed sums over recent rounds: their cost, the tokens they committed
+        self._round_tokens = 0.0
         self._plain_left = 0
         self._pauses = 0  # consecutive unprofitable pauses so far (indexes the back-off lengths)
         self.probing = False  # the next round is a probe after a pause
@@ -80,7 +64,7 @@ class DraftPolicy:
             return
         n = min(float(positions), PRIOR_POSITIONS)
         self._accepted, self._rejected = agreement * n, (1.0 - agreement) * n
-        if self.best_cost_per_token() <= self.plain_cost():
+        if self.best_cost_per_token() <= self.costs.plain():
             self.k = self.draft_ahead
         else:
             self._plain_left = self.backoff_steps(0)
@@ -94,7 +78,9 @@ class DraftPolicy:
             if self._plain_left == 0:
                 self.probing = True
             return 0
-        k = 1 if self.probing else self.k
+        if self.adaptive and self.costs.wants_plain_sample():
+            return 0
+        k = self.probe_length() if self.probing else self.k
         return min(k, remaining - 1)
 
     @property
@@ -105,16 +91,21 @@ class DraftPolicy:
     def update(self, drafted: int, accepted: int) -> None:
         if not self.adaptive or drafted == 0:
             return
-        self._accepted = 0.8 * self._accepted + accepted
-        self._rejected = 0.8 * self._rejected + (accepted < drafted)
+        self._accepted = DECAY * self._accepted + accepted
+        self._rejected = DECAY * self._rejected + (accepted < drafted)
+        self._round_cost = DECAY * self._round_cost + self.costs.round(drafted)
+        self._round_tokens = DECAY * self._round_tokens + accepted + 1
         if accepted == drafted:
             self.k = min(2 * self.k, self.draft_ahead) if self.k < self.draft_ahead else min(self.k + 1, self.k_max)
         else:
             self.k = max(1, min(self.k - 1, accepted + 1))
         self.probing = False
-        if self.best_cost_per_token() <= self.plain_cost():
+        nearest = self.paying_length(self.k)
+        pays = nearest is not None and (accepted == drafted or self.cost_per_token() < self.costs.plain())
+        if nearest is not None and pays:
+            self.k = nearest
             self._pauses = 0
-        elif accepted < drafted:
+        else:
             self._plain_left = self.backoff_steps(self._pauses)
             self._pauses += 1
 
@@ -125,25 +116,35 @@ class DraftPolicy:
             return BACKOFF_STEPS[pauses]
         return min(BACKOFF_STEPS[-1] << (pauses - len(BACKOFF_STEPS) + 1), BACKOFF_CAP)
 
-    def plain_cost(self) -> float:
-        c = self.cfg
-        return c.n_prelude + self.verify_loops * c.n_body + c.n_coda + STEP_OVERHEAD_LAYERS
+    def cost_per_token(self) -> float:
+        """Speculation's cost per committed token over the recent rounds (decayed), at today's step costs."""
+        return self._round_cost / self._round_tokens if self._round_tokens else float("inf")
 
-    def round_cost(self, k: int) -> float:
-        c, d = self.cfg, self.draft_loops
-        draft = c.n_prelude + d * c.n_body + c.n_coda + STEP_OVERHEAD_LAYERS
-        tokens = 1 + self.extra_token_cost * k
-        verify = ((self.verify_loops - d) * c.n_body + c.n_coda) * tokens + STEP_OVERHEAD_LAYERS
-        return (k + 1) * draft + verify
+    def paying_length(self, k: int) -> int | None:
+        """The draft length nearest k (the shorter on a tie) whose round would pay if fully accepted."""
+        paying = [j for j in range(1, self.k_max + 1) if self.round_pays(j)]
+        return min(paying, key=lambda j: (abs(j - k), j)) if paying else None
+
+    def probe_length(self) -> int:
+        """A probe drafts the fewest tokens that could pay (a verify pass with a high fixed cost pays only
+        over long rounds), or one to re-time the steps when none could."""
+        return next((j for j in range(1, self.k_max + 1) if self.round_pays(j)), 1)
+
+    def round_pays(self, k: int) -> bool:
+        """Whether a round drafting k tokens, all accepted, costs less than the k + 1 plain steps it replaces."""
+        return self.costs.round(k) < (k + 1) * self.costs.plain()
 
     def can_pay(self) -> bool:
-        """Whether any draft length could beat plain decoding even if every draft were accepted (not on CUDA
-        for small models, where each further verified token costs a full step)."""
-        return any(self.round_cost(k) / (k + 1) < self.plain_cost() for k in range(1, self.k_max + 1))
+        """Whether, by the layer-pass prior, any draft length could beat plain decoding even if every draft
+        were accepted (not on CUDA for small models, where each further verified token costs a full step)."""
+        prior = self.costs.prior
+        return any(
+            (k + 1) * prior.draft() + prior.verify(k + 1) < (k + 1) * prior.plain() for k in range(1, self.k_max + 1)
+        )
 
     def expected_tokens(self, k: int) -> float:
         a = min(self.acceptance, 0.999)
         return (1 - a ** (k + 1)) / (1 - a)
 
     def best_cost_per_token(self) -> float:
-        return min(self.round_cost(k) / self.expected_tokens(k) for k in range(1, self.k_max + 1))
+        return min(self.costs.round(k) / self.expected_tokens(k) for k in range(1, self.k_max + 1))

@@ -33,6 +33,7 @@ from tinyloop.runtime.depth_schedule import DepthSchedule, fill_skipped_iteratio
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.sampling import TokenPicker, filtered_probs
 from tinyloop.runtime.spec_accept import accept_draft, normalized
+from tinyloop.runtime.spec_costs import LayerCosts, StepCosts
 from tinyloop.runtime.spec_policy import DraftPolicy
 from tinyloop.sampling import SamplingParams
 
@@ -95,14 +96,15 @@ def speculative_tokens(
     grammar: TokenIndex | None = None,
     stop_tokens: frozenset[int] = frozenset(),
     schedule: DepthSchedule | None = None,
+    costs: StepCosts | None = None,
 ) -> Iterator[int]:
     """Yield up to max_tokens committed ids, distributed as plain decoding at spec.verify_loops (with the
-    same grammar, stop tokens and depth schedule: see decode_rows)."""
+    same grammar, stop tokens and depth schedule: see decode_rows). costs: what the steps cost, timed with
+    its clock (default: see step_costs)."""
     stats = stats if stats is not None else SpeculativeStats()
     stats.prompt_tokens = int(prompt.numel())
-    policy = DraftPolicy(
-        engine.cfg, spec.draft_loops, spec.verify_loops, spec.draft_ahead, spec.adaptive, engine.device.type
-    )
+    costs = costs if costs is not None else step_costs(engine, spec, params)
+    policy = DraftPolicy(costs, spec.draft_ahead, spec.adaptive)
     if spec.adaptive and not policy.can_pay():
         # Plain decoding is the faster path on this device whatever the drafts: take it outright (on a GPU
         # with the host one step ahead) rather than paying for probe rounds that cannot win.
@@ -119,6 +121,16 @@ def speculative_tokens(
     finally:
         stats.time_s = time.perf_counter() - t0
         stats.finished = picker.accepting()
+
+
+def step_costs(engine: Engine, spec: SpecConfig, params: SamplingParams) -> StepCosts:
+    """The costs a request's policy starts from: learned from its own steps on the CPU; the layer-pass prior
+    alone on CUDA (its constants were measured there, and a plain step inside rounds waits for its token where
+    plain decoding keeps the host a step ahead) and for seeded sampling (timing-driven choices would change which
+    random draws make its tokens, and it must repeat)."""
+    prior = LayerCosts.for_device(engine.cfg, spec.draft_loops, spec.verify_loops, engine.device.type)
+    seeded_sampling = params.temperature > 0.0 and params.seed is not None
+    return StepCosts(prior, learn=engine.device.type == "cpu" and not seeded_sampling)
 
 
 def _plain(engine: Engine, cache: StepCache, row: Row, stats: SpeculativeStats) -> Iterator[int]:
@@ -182,9 +194,11 @@ def _rounds(
             stats.warmup_steps += 1
             new, stopped = ([], True) if token is None else ([token], False)
         elif (k := policy.next_k(max_tokens - stats.generated_tokens)) == 0:
-            t = time.perf_counter()
+            t = policy.costs.clock()
             token = _plain_step(engine, cache, pending, spec.verify_loops, spec, picker)
-            stats.plain_s += time.perf_counter() - t
+            spent = policy.costs.clock() - t
+            policy.costs.add_plain(spent)
+            stats.plain_s += spent
             stats.plain_steps += 1
             new, stopped = ([], True) if token is None else ([token], False)
         else:
@@ -253,7 +267,8 @@ def _speculate(
     p = picker.params
     greedy = p.temperature == 0.0
     start = int(cache.lengths[0])
-    t = time.perf_counter()
+    costs = policy.costs
+    t = costs.clock()
     states: list[torch.Tensor] = []
     preludes: list[torch.Tensor] = []
     drafts: list[int] = []
@@ -276,9 +291,11 @@ def _speculate(
             draft_probs.append(q)
         drafts.append(x)
         g_states.append(picker.grammar.advance(g_states[-1], x) if picker.grammar is not None else 0)
-    stats.draft_s += time.perf_counter() - t
+    spent = costs.clock() - t
+    costs.add_draft(len(states), spent)
+    stats.draft_s += spent
 
-    t = time.perf_counter()
+    t = costs.clock()
     inputs = torch.tensor([[pending, *drafts]])
     first = torch.tensor([start])
     if spec.resume_verify:
@@ -321,7 +338,9 @@ def _speculate(
         committed.append(extra)
         if picker.grammar is not None:
             picker.state = picker.grammar.advance(state, extra)
-    stats.verify_s += time.perf_counter() - t
+    spent = costs.clock() - t
+    costs.add_verify(len(drafts) + 1, spent)
+    stats.verify_s += spent
     stats.verify_passes += 1
     stats.drafted += len(drafts)
     stats.accepted += n_ok
