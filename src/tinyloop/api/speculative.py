@@ -132,8 +132,9 @@ class SpeculativeMixin(ModelBase):
         run plain and shallow, speculation starts after them); with temperature > 0 drafts are accepted
         by rejection sampling, so the output is distributed as plain sampling at verify_loops (same
         temperature/top_k/top_p). adaptive: the draft length grows after fully accepted rounds, shrinks
-        after rejections, and speculation pauses for plain steps while it would be slower. Needs a
-        rewindable KV cache (not cache_window > 0).
+        after rejections, and speculation pauses for plain steps while it would be slower, judged on the
+        CPU by the times of its own plain, draft and verify steps (on CUDA, and for a seeded sampled request
+        so that it repeats, by a layer-count cost model). Needs a rewindable KV cache (not cache_window > 0).
         """
         stream = self.generate_speculative_stream(
             prompt, max_tokens, draft_loops, verify_loops, draft_ahead, temperature, top_k, top_p, seed, adaptive,

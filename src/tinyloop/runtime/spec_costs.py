@@ -45,13 +45,12 @@ class _Samples:
     def __init__(self) -> None:
         self.recent: deque[float] = deque(maxlen=SAMPLES_KEPT)
         self.count = 0
+        self.median = 0.0
 
     def add(self, seconds: float) -> None:
         self.recent.append(seconds)
         self.count += 1
-
-    def estimate(self) -> float:
-        return statistics.median(self.recent)
+        self.median = statistics.median(self.recent)
 
 
 def _slope(points: list[tuple[int, float]]) -> float:
@@ -133,17 +132,17 @@ class StepCosts:
         )
 
     def plain(self) -> float:
-        return self._plain.estimate() if self._plain.count else self.prior.plain() * self._per_layer()
+        return self._plain.median if self._plain.count else self.prior.plain() * self._per_layer()
 
     def draft(self) -> float:
-        return self._draft.estimate() if self._draft.count else self.prior.draft() * self._per_layer()
+        return self._draft.median if self._draft.count else self.prior.draft() * self._per_layer()
 
     def verify(self, rows: int) -> float:
         """Measured at `rows`, else read off the measured row counts: linear between two of them, the
         least-squares slope (at least 0) above them, the prior's shape below them or from a single one."""
         if rows in self._verify:
-            return self._verify[rows].estimate()
-        points = sorted((r, samples.estimate()) for r, samples in self._verify.items())
+            return self._verify[rows].median
+        points = sorted((r, samples.median) for r, samples in self._verify.items())
         if not points:
             return self.prior.verify(rows) * self._per_layer()
         below = [p for p in points if p[0] < rows]
@@ -163,10 +162,10 @@ class StepCosts:
     def _per_layer(self) -> float:
         """Seconds per layer pass from what was measured (1.0 before anything: the prior's own unit)."""
         if self._plain.count:
-            return self._plain.estimate() / self.prior.plain()
+            return self._plain.median / self.prior.plain()
         if self._draft.count:
-            return self._draft.estimate() / self.prior.draft()
+            return self._draft.median / self.prior.draft()
         if self._verify:
             rows, samples = min(self._verify.items())
-            return samples.estimate() / self.prior.verify(rows)
+            return samples.median / self.prior.verify(rows)
         return 1.0

@@ -10,8 +10,13 @@ BACKOFF_STEPS = (8, 64)
 BACKOFF_CAP = 512
 # The most prompt positions the prefill's agreement estimate counts as (see prime).
 PRIOR_POSITIONS = 8.0
-# Weight of the previous rounds in the acceptance counts and in speculation's cost per token, per round.
+# Weight of the previous rounds in the acceptance counts, per round.
 DECAY = 0.8
+# The same for speculation's realized cost per token: acceptances come in runs (long accepted rounds pay for
+# the failed ones between them), so it is judged over more rounds, starting from PRIOR_ROUNDS rounds of
+# `draft_ahead` drafts with the prompt's agreement.
+ROUND_DECAY = 0.9
+PRIOR_ROUNDS = 4.0
 
 
 class DraftPolicy:
@@ -27,16 +32,16 @@ class DraftPolicy:
     2 x draft_ahead, and shrinks to one past the accepted count after a rejection; the next round drafts
     the length nearest that one whose round would cost less than as many plain steps if fully accepted.
     Speculation goes on after a fully accepted round while such a length exists, after a rejection while
-    also its cost per committed token over the recent rounds (decayed; each round at the current cost of
-    its length) is below a plain step's: acceptances come in runs, so this realized rate predicts the next
-    rounds better than a per-token acceptance rate would. Otherwise it pauses for plain steps (8, then 64,
-    doubling up to 512 while it stays unprofitable) and then probes with the shortest draft that could pay,
-    which also re-times the draft and verify steps; a round after which speculation goes on resets the
-    pauses to 8. A prompt on which speculation would not pay starts with the short pause whatever its
-    length: agreement over a prompt the model did not write is a pessimistic estimate of agreement over its
-    own greedy continuation (seed-407m: 0.59 over a random prompt, 1.0 while decoding), so it earns an
-    early probe. Where drafts are always rejected, or verify passes cost too much, decoding runs plain and
-    probes after 8 tokens, 64 more, 128 more, and so on.
+    also its cost per committed token over the recent rounds (decayed, starting from the prompt's agreement;
+    each round at the current cost of its length) is below a plain step's: acceptances come in runs, so this
+    realized rate predicts the next rounds better than a per-token acceptance rate would. Otherwise it
+    pauses for plain steps (8, then 64, doubling up to 512 while it stays unprofitable) and then probes with
+    the shortest draft that could pay, which also re-times the draft and verify steps; a round after which
+    speculation goes on resets the pauses to 8. A prompt on which speculation would not pay starts with the
+    short pause whatever its length: agreement over a prompt the model did not write is a pessimistic
+    estimate of agreement over its own greedy continuation (seed-407m: 0.59 over a random prompt, 1.0 while
+    decoding), so it earns an early probe. Where drafts are always rejected, or verify passes cost too much,
+    decoding runs plain and probes after 8 tokens, 64 more, 128 more, and so on.
 
     Not adaptive: always `draft_ahead` tokens.
     """
@@ -49,8 +54,8 @@ class DraftPolicy:
         self.k_max = 2 * draft_ahead if adaptive else draft_ahead
         self._accepted = 0.0
         self._rejected = 0.0
-        self._round_cost = 0.0  # decayed sums over recent rounds: their cost, the tokens they committed
-        self._round_tokens = 0.0
+        self._rounds: dict[int, float] = {}  # decayed counts of recent rounds by draft length
+        self._round_tokens = 0.0  # and of the tokens they committed
         self._plain_left = 0
         self._pauses = 0  # consecutive unprofitable pauses so far (indexes the back-off lengths)
         self.probing = False  # the next round is a probe after a pause
@@ -64,6 +69,8 @@ class DraftPolicy:
             return
         n = min(float(positions), PRIOR_POSITIONS)
         self._accepted, self._rejected = agreement * n, (1.0 - agreement) * n
+        self._rounds = {self.draft_ahead: PRIOR_ROUNDS}
+        self._round_tokens = PRIOR_ROUNDS * self.expected_tokens(self.draft_ahead)
         if self.best_cost_per_token() <= self.costs.plain():
             self.k = self.draft_ahead
         else:
@@ -93,8 +100,9 @@ class DraftPolicy:
             return
         self._accepted = DECAY * self._accepted + accepted
         self._rejected = DECAY * self._rejected + (accepted < drafted)
-        self._round_cost = DECAY * self._round_cost + self.costs.round(drafted)
-        self._round_tokens = DECAY * self._round_tokens + accepted + 1
+        self._rounds = {k: ROUND_DECAY * n for k, n in self._rounds.items()}
+        self._rounds[drafted] = self._rounds.get(drafted, 0.0) + 1.0
+        self._round_tokens = ROUND_DECAY * self._round_tokens + accepted + 1
         if accepted == drafted:
             self.k = min(2 * self.k, self.draft_ahead) if self.k < self.draft_ahead else min(self.k + 1, self.k_max)
         else:
@@ -117,8 +125,10 @@ class DraftPolicy:
         return min(BACKOFF_STEPS[-1] << (pauses - len(BACKOFF_STEPS) + 1), BACKOFF_CAP)
 
     def cost_per_token(self) -> float:
-        """Speculation's cost per committed token over the recent rounds (decayed), at today's step costs."""
-        return self._round_cost / self._round_tokens if self._round_tokens else float("inf")
+        """Speculation's cost per committed token over the recent rounds (decayed), at the current step costs."""
+        if not self._round_tokens:
+            return float("inf")
+        return sum(n * self.costs.round(k) for k, n in self._rounds.items()) / self._round_tokens
 
     def paying_length(self, k: int) -> int | None:
         """The draft length nearest k (the shorter on a tie) whose round would pay if fully accepted."""
