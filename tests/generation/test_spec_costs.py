@@ -10,8 +10,8 @@ import torch
 from gen_helpers import PROMPTS, one_row, tiny_engine
 
 from tinyloop.presets import preset
-from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.decode import decode_row
+from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.spec_costs import PLAIN_REFRESH_ROUNDS, SAMPLES_KEPT, LayerCosts, StepCosts
 from tinyloop.runtime.spec_policy import DraftPolicy
 from tinyloop.runtime.speculative import SpecConfig, SpeculativeStats, speculative_tokens, step_costs
