@@ -43,6 +43,7 @@ class RuntimeEnv:
     disable_pdl: bool
     disable_gluon_gemv: bool
     disable_staged_gemv: bool
+    persistent_decode: bool
     disable_flash2_prefill: bool
     disable_l2_residency: bool
     use_cudnn_sdpa: bool
@@ -65,6 +66,7 @@ class RuntimeEnv:
             disable_pdl=_flag("TINYLOOP_DISABLE_PDL"),
             disable_gluon_gemv=_flag("TINYLOOP_DISABLE_GLUON_GEMV"),
             disable_staged_gemv=_flag("TINYLOOP_DISABLE_STAGED_GEMV"),
+            persistent_decode=_flag("TINYLOOP_PERSISTENT_DECODE"),
             disable_flash2_prefill=_flag("TINYLOOP_DISABLE_FLASH2_PREFILL"),
             disable_l2_residency=_flag("TINYLOOP_DISABLE_L2_RESIDENCY"),
             use_cudnn_sdpa=_flag("TINYLOOP_USE_CUDNN_SDPA"),

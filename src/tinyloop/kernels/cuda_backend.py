@@ -54,6 +54,7 @@ def kernel_policy(env: RuntimeEnv) -> KernelPolicy:
         staged_gemv=triton_ok and not env.disable_staged_gemv and staged_supported(),
         sdpa_math_only=env.disable_flash2_prefill,
         sdpa_cudnn=env.use_cudnn_sdpa,
+        persistent_decode=triton_ok and env.persistent_decode,
     )
 
 

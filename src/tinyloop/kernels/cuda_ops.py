@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from tinyloop.kernels import persistent_mlp
 from tinyloop.kernels.dispatch import Weight
 from tinyloop.kernels.policy import ACT_GELU, ACT_NONE, ACT_SWIGLU, KernelPolicy
 from tinyloop.kernels.triton_attention import _cached_attention_kernel, _rope_attention_kernel, _rope_store_kernel
@@ -505,6 +506,13 @@ class CudaKernels:
 
     def int4_rows_on_cublas(self, rows: int) -> bool:
         return self.policy.int4_rows_on_cublas(rows)
+
+    def persistent_mlp_applies(self, x: torch.Tensor, gate_up: object, down: object) -> bool:
+        return persistent_mlp.persistent_mlp_applies(self.policy, x, gate_up, down)
+
+    def persistent_mlp(self, x: torch.Tensor, norm_weight: torch.Tensor, eps: float, gate_up: object, down: object,
+                       residual: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        return persistent_mlp.persistent_mlp(self.policy, x, norm_weight, eps, gate_up, down, residual)
 
     @staticmethod
     def dequantize_int4(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:

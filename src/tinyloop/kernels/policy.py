@@ -10,11 +10,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from types import MappingProxyType
+from typing import NamedTuple
 
 ACT_NONE, ACT_SWIGLU, ACT_GELU = 0, 1, 2
 UNDER_PDL = ("after_wait", "before_wait", "at_end")
 
 Shape = tuple[int, int, int]  # (N, K, rows) or (N, K, act)
+
+
+class PersistentMlpTile(NamedTuple):
+    """Work items of the persistent MLP kernel (kernels/triton_persistent_mlp.py): ffn features per gate / up
+    item and 64-column blocks per step of its loop over d_model; the down projection's K slice (ffn features)
+    and output rows per down item; warps per program."""
+
+    gate_up_rows: int
+    gate_up_blocks: int
+    slice: int
+    down_rows: int
+    warps: int
 
 
 @dataclass(frozen=True)
@@ -73,12 +86,17 @@ class KernelPolicy:
     # or cuDNN (TINYLOOP_USE_CUDNN_SDPA).
     sdpa_math_only: bool = False
     sdpa_cudnn: bool = False
+    # Decode steps' MLP sublayer (norm, gate / up, SwiGLU, down, residual) as one persistent kernel of work items
+    # (kernels/persistent_mlp.py; TINYLOOP_PERSISTENT_DECODE=1): off until it is measured to win.
+    persistent_decode: bool = False
     # Tile overrides: (N, K, rows) -> tile for the plain GEMV, the blocked GEMV and the split-K kernel;
     # (N, K, act) -> tile for the Gluon GEMV.
     matvec_tiles: Mapping[Shape, tuple[int, int, int]] = field(default_factory=dict)
     blocked_tiles: Mapping[Shape, tuple[int, int, int]] = field(default_factory=dict)
     splitk_tiles: Mapping[Shape, tuple[int, int, int, int]] = field(default_factory=dict)
     gluon_tiles: Mapping[Shape, tuple[int, int, int, int, int]] = field(default_factory=dict)
+    # (d_model, ffn, rows) -> tile of the persistent MLP kernel.
+    persistent_mlp_tiles: Mapping[Shape, PersistentMlpTile] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("staged_launch_dependents", "gluon_launch_dependents"):
@@ -142,6 +160,21 @@ class KernelPolicy:
         if (n, k, act) in self.gluon_tiles:
             return self.gluon_tiles[(n, k, act)]
         return gluon_gemv_tile(n, k, act)
+
+    def persistent_mlp_tile(self, d: int, f: int, rows: int, group: int) -> PersistentMlpTile | None:
+        """The persistent MLP kernel's items for d_model `d`, ffn `f`, `rows` rows and INT4 groups of `group`
+        columns; None where no K slice divides the ffn. Untuned: K slices of 256 features (22 on seed-407m) and
+        down items of 128 output rows (16), so 528 items for 132 SMs; halved tiles for 2-4 rows (registers)."""
+        if (d, f, rows) in self.persistent_mlp_tiles:
+            return self.persistent_mlp_tiles[(d, f, rows)]
+        block = min(group, 64)
+        slices = [s for s in (256, 128, 64) if f % s == 0 and s % block == 0]
+        if not slices or d % block:
+            return None
+        one = rows == 1
+        gate_up_rows = min(32 if one else 16, slices[0])
+        blocks = min(8 if one else 4, 1 << (d // block - 1).bit_length())
+        return PersistentMlpTile(gate_up_rows, blocks, slices[0], min(128 if one else 64, 1 << (d - 1).bit_length()), 8)
 
     def attention_block(self, head_dim: int) -> tuple[int, int]:
         return self.attention_tile if head_dim >= 128 else self.narrow_head_attention_tile

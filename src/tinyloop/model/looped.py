@@ -72,11 +72,10 @@ def layer(ops: ForwardOps, cfg: ArchConfig, x: torch.Tensor, lw: LayerWeights, s
     else:
         assert lw.attn_post_norm is not None
         x = ops.post_norm(ops.project(attn, lw.out), lw.attn_post_norm, x, sum_first=_sum_first(cfg))
-    h = ops.mlp_in(x, lw)
     if cfg.norm_placement == "pre":
-        return ops.project(h, lw.down, x, into_residual=True)  # x is this layer's own
+        return ops.mlp(x, lw, x)  # x is this layer's own
     assert lw.mlp_post_norm is not None
-    return ops.post_norm(ops.project(h, lw.down), lw.mlp_post_norm, x, sum_first=_sum_first(cfg))
+    return ops.post_norm(ops.mlp(x, lw), lw.mlp_post_norm, x, sum_first=_sum_first(cfg))
 
 
 def _sum_first(cfg: ArchConfig) -> bool:

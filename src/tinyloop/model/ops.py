@@ -46,8 +46,9 @@ class ForwardOps(Protocol):
         """residual + norm(y), or norm(y + residual) when `sum_first`."""
         ...
 
-    def mlp_in(self, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
-        """norm(x) (lw.mlp_norm) through gate/up and SwiGLU (or up and GELU): the down projection's input."""
+    def mlp(self, x: torch.Tensor, lw: LayerWeights, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP sublayer: norm(x) (lw.mlp_norm) through gate/up and SwiGLU (or up and GELU), then the down
+        projection (+ residual, whose storage may take the result)."""
         ...
 
     def norm(self, x: torch.Tensor, n: Norm) -> torch.Tensor: ...
@@ -124,6 +125,9 @@ class TorchOps:
         if sum_first:
             return norm(y + residual, n, self.cfg)
         return residual + norm(y, n, self.cfg)
+
+    def mlp(self, x: torch.Tensor, lw: LayerWeights, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.project(self.mlp_in(x, lw), lw.down, residual, into_residual=residual is not None)
 
     def mlp_in(self, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         h = norm(x, lw.mlp_norm, self.cfg)

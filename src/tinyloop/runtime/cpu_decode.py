@@ -479,6 +479,9 @@ class _CpuOps:
             return residual.copy_(self.dec._norm(self.buf, self.cur, packed))
         return residual.add_(self.dec._norm_tmp(self.buf, packed))
 
+    def mlp(self, x: torch.Tensor, lw: LayerWeights, residual: torch.Tensor | None = None) -> torch.Tensor:
+        return self.project(self.mlp_in(x, lw), lw.down, residual, into_residual=residual is not None)
+
     def mlp_in(self, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         dec, buf = self.dec, self.buf
         lp = dec.packs[id(lw)]

@@ -390,6 +390,11 @@ class _FusedOps:
         # rms_norm mode 1: residual + norm(y); mode 2: norm(y + residual)
         return self.k.rms_norm(y, n.weight, self.cfg.norm_eps, residual, 2 if sum_first else 1)
 
+    def mlp(self, x: torch.Tensor, lw: LayerWeights, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.k.persistent_mlp_applies(x, lw.gate_up, lw.down):
+            return self.k.persistent_mlp(x, lw.mlp_norm.weight, self.cfg.norm_eps, lw.gate_up, lw.down, residual)
+        return self.project(self.mlp_in(x, lw), lw.down, residual, into_residual=residual is not None)
+
     def mlp_in(self, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
         act = self.k.ACT_SWIGLU if lw.gate_up is not None else self.k.ACT_GELU
         up = lw.gate_up if lw.gate_up is not None else lw.up

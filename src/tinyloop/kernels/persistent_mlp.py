@@ -1,0 +1,102 @@
+"""Launcher of the persistent MLP kernel (kernels/triton_persistent_mlp.py): which steps it takes, its tiles,
+its scratch, and how many programs run.
+
+How many programs: one per SM. Items wait (spin) on items with smaller tickets, and a ticket is only taken by
+a program that is running, so every wait is on an item some resident program is working on: progress does not
+depend on how many programs fit. One per SM keeps it that way anyway (a launch whose one program does not fit
+an SM fails instead of hanging) and leaves room for the next kernel of the chain to start its prologue under
+programmatic dependent launch. Under Triton's interpreter (the CPU tests) two programs run one after the
+other: the first takes every item (and never waits), the second finds none and resets the counters.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from tinyloop.kernels.policy import KernelPolicy, PersistentMlpTile
+from tinyloop.kernels.triton_persistent_mlp import READY, _persistent_mlp_kernel
+from tinyloop.quant import BlockedInt4Weight
+
+INTERPRETER_PROGRAMS = 2
+
+# (device, rows, d_model, ffn, dtype, tile) -> (h, acc, sync): every launch leaves acc and sync zero, so one set
+# serves every layer of a step and every replay of a captured graph (launches on one stream run in order).
+_SCRATCH: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def persistent_mlp_applies(policy: KernelPolicy, x: torch.Tensor, gate_up: object, down: object) -> bool:
+    """Whether the policy takes this MLP sublayer to the persistent kernel: on, a decode-sized step (1 to
+    `matvec_max_rows` rows), SwiGLU weights in the blocked INT4 layout with one group size, and an ffn width the
+    K slices divide."""
+    blocked = isinstance(gate_up, BlockedInt4Weight) and isinstance(down, BlockedInt4Weight)
+    if not (policy.persistent_decode and blocked):
+        return False
+    assert isinstance(gate_up, BlockedInt4Weight) and isinstance(down, BlockedInt4Weight)
+    M, D = x.shape
+    F = down.shape[1]
+    return (
+        1 <= M <= policy.matvec_max_rows
+        and gate_up.shape == (2 * F, D)
+        and down.shape == (D, F)
+        and gate_up.group_size == down.group_size
+        and D % gate_up.group_size == 0
+        and policy.persistent_mlp_tile(D, F, M, down.group_size) is not None
+    )
+
+
+def _scratch(x: torch.Tensor, F: int, tile: PersistentMlpTile) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    M, D = x.shape
+    key = (x.device, M, D, F, x.dtype, tile)
+    if key not in _SCRATCH:
+        counters = READY + F // tile.slice + triton.cdiv(D, tile.down_rows)
+        _SCRATCH[key] = (
+            torch.empty((M, F), dtype=x.dtype, device=x.device),
+            torch.zeros((M, D), dtype=torch.float32, device=x.device),
+            torch.zeros(counters, dtype=torch.int32, device=x.device),
+        )
+    return _SCRATCH[key]
+
+
+def persistent_mlp(
+    policy: KernelPolicy,
+    x: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up: object,
+    down: object,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """down(SwiGLU(rmsnorm(x) @ gate_up.T)) (+ residual) for x [M, D] in one launch, where
+    `persistent_mlp_applies`. With a residual the result overwrites it (the caller's own tensor)."""
+    assert isinstance(gate_up, BlockedInt4Weight) and isinstance(down, BlockedInt4Weight)
+    M, D = x.shape
+    F = down.shape[1]
+    tile = policy.persistent_mlp_tile(D, F, M, down.group_size)
+    assert tile is not None, "persistent_mlp_applies says which shapes the kernel takes"
+    x = x if x.stride(1) == 1 else x.contiguous()
+    if residual is not None and residual.is_contiguous() and residual.dtype == x.dtype:
+        out = residual
+    else:
+        out = torch.empty((M, D), dtype=x.dtype, device=x.device)
+    res = residual if residual is not None else out
+    h, acc, sync = _scratch(x, F, tile)
+    n_items = triton.cdiv(F, tile.gate_up_rows) + (F // tile.slice) * triton.cdiv(D, tile.down_rows)
+    programs = _sm_count(x.device.index or 0) if x.is_cuda else INTERPRETER_PROGRAMS
+    programs = min(programs, n_items)
+    _persistent_mlp_kernel[(programs,)](
+        x, norm_weight, gate_up.packed.view(torch.int32), gate_up.scale, gate_up.minimum,
+        down.packed.view(torch.int32), down.scale, down.minimum, h, acc, out, res, sync,
+        M, F, D, eps, x.stride(0), h.stride(0), out.stride(0), res.stride(0), programs,
+        GROUP=down.group_size, BLOCK=down.block, RESIDUAL=residual is not None, ROWS=triton.next_power_of_2(M),
+        GU_N=tile.gate_up_rows, GU_B=tile.gate_up_blocks, SLICE=tile.slice, DN_N=tile.down_rows,
+        num_warps=tile.warps, **policy.pdl_options(),
+    )  # fmt: skip
+    return out
