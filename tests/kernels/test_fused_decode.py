@@ -12,6 +12,7 @@ from naive_reference import naive_forward
 from tinyloop.config import ArchConfig
 from tinyloop.kernels import cuda_ops
 from tinyloop.kernels.cuda_ops import CudaKernels
+from tinyloop.kernels.policy import PersistentMlpTile
 from tinyloop.model.weights import ModelWeights
 from tinyloop.quant import BlockedInt4Weight, Int4Weight, quantize_int4
 from tinyloop.runtime.engine import Engine
@@ -281,3 +282,58 @@ def test_fused_decoder_launches_with_its_engines_policy(monkeypatch: pytest.Monk
     fused.step(torch.tensor([[4]]), cache, 2, last_only=True)
     assert seen and all(p is policy for p in seen)
     assert policy.rope_block_rows == 8
+
+
+# One program per launch for the models below (the interpreter pays per program and per operation, not per byte):
+# the blocked GEMVs over whole matrices, the persistent MLP as one gate / up item and one down item per layer.
+WHOLE_MATRIX_TILES = {(n, k, r): (256, 2, 4) for n in range(1, 257) for k in (64, 128) for r in range(1, 5)}
+ONE_ITEM_MLP = {(64, 128, r): PersistentMlpTile(128, 1, 128, 64, 4) for r in range(1, 5)}
+
+
+def _test_tiny(**policy: object) -> Engine:
+    """The test-tiny preset in INT4 (groups of 32, as its files are written) in the CUDA engine's blocked layout."""
+    from tinyloop.presets import preset
+
+    cfg = preset("test-tiny")
+    flat = random_flat_weights(cfg, seed=7)
+    matrix = ("prelude.", "body.", "coda.", "adapter.", "head.")
+    packed = {n: BlockedInt4Weight.from_int4(quantize_int4(t, 32)) if t.dim() == 2 and n.startswith(matrix) else t
+              for n, t in flat.items()}  # fmt: skip
+    engine = Engine(cfg, ModelWeights.from_flat(cfg, packed), torch.device("cpu"), torch.float32,  # type: ignore[arg-type]
+                    kernel_policy=interpreter_policy(**policy))  # fmt: skip
+    engine.decoder = FusedDecoder(engine, graphs=False)
+    return engine
+
+
+@pytest.mark.parametrize("model", ["test-tiny", "blocked:ouro-like"])
+def test_persistent_mlp_decodes_the_default_paths_greedy_tokens(model: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the policy's persistent_decode (TINYLOOP_PERSISTENT_DECODE=1) the MLP sublayer of every step of 1-4
+    rows is one persistent launch (pre-norm: into the residual; sandwich norms: before the post-norm), and greedy
+    decoding gives the default path's tokens with its logits."""
+    from tinyloop.kernels import persistent_mlp
+
+    launches: list[int] = []
+    launcher = persistent_mlp.persistent_mlp
+    monkeypatch.setattr(persistent_mlp, "persistent_mlp", lambda *a, **k: launches.append(1) or launcher(*a, **k))
+    tiles = dict(blocked_tiles=WHOLE_MATRIX_TILES, persistent_mlp_tiles=ONE_ITEM_MLP)
+    if model == "test-tiny":
+        default, persistent = _test_tiny(**tiles), _test_tiny(persistent_decode=True, **tiles)
+    else:
+        default, persistent = (build("ouro-like", True, persistent_decode=on, **tiles)[2] for on in (False, True))
+    cfg, loops, steps = default.cfg, 2, 3
+    prompt = torch.randint(0, cfg.vocab_size, (1, 2), generator=torch.Generator().manual_seed(6))
+    tokens, logits = [], []
+    for eng in (default, persistent):
+        cache = eng.new_cache(1, 8, loops)
+        out = eng.step(prompt, cache, loops, last_only=True)
+        seq, steps_logits = [int(out.logits[0, -1].argmax())], [out.logits[0, -1]]
+        for _ in range(steps):
+            out = eng.step(torch.tensor([[seq[-1]]]), cache, loops, last_only=True)
+            steps_logits.append(out.logits[0, -1])
+            seq.append(int(out.logits[0, -1].argmax()))
+        tokens.append(seq)
+        logits.append(torch.stack(steps_logits))
+    assert tokens[0] == tokens[1]
+    assert max_rel_error(logits[1], logits[0]) <= 1e-5
+    layers = cfg.n_prelude + loops * cfg.n_body + cfg.n_coda
+    assert len(launches) == (1 + steps) * layers  # the 2-token prompt is decode-sized too

@@ -20,6 +20,7 @@ PLAIN_SWITCHES = {
     "TINYLOOP_DISABLE_CUBLAS_FP16": ("cublas_16bit", False),
     "TINYLOOP_DISABLE_FLASH2_PREFILL": ("sdpa_math_only", True),
     "TINYLOOP_USE_CUDNN_SDPA": ("sdpa_cudnn", True),
+    "TINYLOOP_PERSISTENT_DECODE": ("persistent_decode", True),
 }
 # Switches of kernels the GPU must support: on where supported, off where the variable says so.
 GPU_SWITCHES = {

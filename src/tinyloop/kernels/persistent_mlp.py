@@ -36,10 +36,10 @@ def persistent_mlp_applies(policy: KernelPolicy, x: torch.Tensor, gate_up: objec
     """Whether the policy takes this MLP sublayer to the persistent kernel: on, a decode-sized step (1 to
     `matvec_max_rows` rows), SwiGLU weights in the blocked INT4 layout with one group size, and an ffn width the
     K slices divide."""
-    blocked = isinstance(gate_up, BlockedInt4Weight) and isinstance(down, BlockedInt4Weight)
-    if not (policy.persistent_decode and blocked):
+    if not (
+        policy.persistent_decode and isinstance(gate_up, BlockedInt4Weight) and isinstance(down, BlockedInt4Weight)
+    ):
         return False
-    assert isinstance(gate_up, BlockedInt4Weight) and isinstance(down, BlockedInt4Weight)
     M, D = x.shape
     F = down.shape[1]
     return (
