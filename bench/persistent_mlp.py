@@ -1,0 +1,391 @@
+"""The persistent MLP kernel (step 1 of docs/DECODE_DATAFLOW.md) against today's two launches, on one GPU.
+
+    PYTHONPATH=src python3 bench/persistent_mlp.py --out $OUT/persistent_mlp.json [--quick] [--ouro-decode]
+
+Sections (each saves the JSON so far; a failing one records its traceback and the rest still run):
+- canary: the persistent kernel launched once per row count in a child process with a time limit, so a kernel
+  that does not compile, or a wait that never ends, is recorded instead of hanging the run; when it fails the
+  persistent measurements below are skipped.
+- layer: one layer's MLP (d_model 2048, ffn 5632, INT4 groups of 64 in the blocked layout, bfloat16), as
+  seed-407m runs it (pre-norm: the result overwrites the residual) and as the Ouro-1.4B shape does (sandwich norms:
+  no residual), for 1, 2 and 4 rows: microseconds per layer as a chain of 64 layers inside one CUDA graph, the
+  weights of 8 distinct layers cycled so that they stream from DRAM (138 MB against a 50 MB L2), today's two
+  launches (the engine's own policy: Gluon / staged GEMVs, PDL) against the persistent kernel; its error against
+  the two launches and float64, and whether 50 repeated launches agree (the split-K sums arrive in any order).
+  Rows 1 with residual also sweeps a few tiles.
+- decode: seed-407m (random INT4 weights, written to /tmp on first use) decoding 128 tokens after a 128-token
+  prompt at 8 loops through the public API with TINYLOOP_PERSISTENT_DECODE=0 and =1 (generate, and the raw decode
+  step without sampling), and the greedy tokens of both; with --ouro-decode the Ouro-1.4B shape at 4 loops too.
+- builtin: the built-in model's greedy tokens (32 at 8 loops) on the GPU with the persistent kernel against the
+  CPU path and against the GPU's default path.
+Takes about 6-10 minutes on an H100 (most of it compiling and writing the random seed-407m model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+RESULTS: dict[str, Any] = {"errors": {}}
+OUT = Path("persistent_mlp.json")
+SEED_PATH = "/tmp/seed-407m.tinyloop"
+OURO_PATH = "/tmp/ouro-1.4b-shape.tinyloop"
+D_MODEL, FFN, GROUP, EPS = 2048, 5632, 64, 1e-6
+LAYER_COPIES, CHAIN = 8, 64
+# (gate / up rows, blocks per step, K slice, down rows, warps): the default first.
+TILE_SWEEP = [(32, 8, 256, 128, 8), (16, 8, 256, 128, 4), (32, 8, 128, 256, 8), (64, 4, 256, 64, 8),
+              (32, 8, 256, 64, 4)]  # fmt: skip
+
+
+def save() -> None:
+    OUT.write_text(json.dumps(RESULTS, indent=1))
+
+
+def section(name: str, fn: Callable[[], Any]) -> None:
+    t = time.perf_counter()
+    try:
+        RESULTS[name] = fn()
+    except Exception:
+        RESULTS["errors"][name] = traceback.format_exc()
+        print(f"section {name} failed:\n{RESULTS['errors'][name]}", file=sys.stderr)
+    RESULTS.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t, 1)
+    save()
+
+
+def with_env(env: dict[str, str], fn: Callable[[], Any]) -> Any:
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        return fn()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def timed(fn: Callable[[], Any], repeat: int) -> list[float]:
+    out = []
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+# ---- one layer's MLP ----------------------------------------------------------------------------------------
+def _policies() -> tuple[Any, Any]:
+    from tinyloop.env import RuntimeEnv
+    from tinyloop.kernels.cuda_backend import kernel_policy
+
+    base = with_env({"TINYLOOP_PERSISTENT_DECODE": "0"}, lambda: kernel_policy(RuntimeEnv.read()))
+    return base, dataclasses.replace(base, persistent_decode=True)
+
+
+def _layers(gen: torch.Generator) -> list[tuple[Any, Any, torch.Tensor]]:
+    """LAYER_COPIES distinct layers' (gate_up, down, norm weight): random codes, scales and minimums of the
+    magnitude a trained layer has."""
+    from tinyloop.quant import BlockedInt4Weight
+
+    def matrix(n: int, k: int) -> BlockedInt4Weight:
+        codes = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda", generator=gen)
+        scale = (torch.rand(n, k // GROUP, device="cuda", generator=gen) * 0.004 + 0.002).half()
+        return BlockedInt4Weight(codes, scale, (-7.5 * scale.float()).half(), GROUP)
+
+    norm = lambda: (1.0 + 0.1 * torch.randn(D_MODEL, device="cuda", generator=gen)).bfloat16()  # noqa: E731
+    return [(matrix(2 * FFN, D_MODEL), matrix(D_MODEL, FFN), norm()) for _ in range(LAYER_COPIES)]
+
+
+def _two_launches(policy: Any) -> Callable[..., torch.Tensor]:
+    from tinyloop.kernels.cuda_ops import CudaKernels
+
+    k = CudaKernels(policy)
+
+    def mlp(x: torch.Tensor, gate_up: Any, down: Any, norm: torch.Tensor, residual: bool) -> torch.Tensor:
+        h = k.fused_linear(x, gate_up, norm_weight=norm, eps=EPS, act=k.ACT_SWIGLU)
+        return k.fused_linear(h, down, residual=x, into_residual=True) if residual else k.fused_linear(h, down)
+
+    return mlp
+
+
+def _persistent(policy: Any) -> Callable[..., torch.Tensor]:
+    from tinyloop.kernels.persistent_mlp import persistent_mlp
+
+    def mlp(x: torch.Tensor, gate_up: Any, down: Any, norm: torch.Tensor, residual: bool) -> torch.Tensor:
+        return persistent_mlp(policy, x, norm, EPS, gate_up, down, x if residual else None)
+
+    return mlp
+
+
+def _chain_us(mlp: Callable[..., torch.Tensor], layers: list, x0: torch.Tensor, residual: bool) -> float:
+    """Microseconds per layer of CHAIN dependent MLPs (layer weights cycled) replayed as one CUDA graph."""
+    x = x0.clone()
+
+    def chain() -> None:
+        y = x
+        for i in range(CHAIN):
+            gate_up, down, norm = layers[i % len(layers)]
+            y = mlp(y, gate_up, down, norm, residual)
+        if not residual:
+            x.copy_(y)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain()  # compiles, allocates the scratch
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    graph.replay()
+    return 1e6 * statistics.median(timed(graph.replay, 20)) / CHAIN
+
+
+def _reference(x: torch.Tensor, gate_up: Any, down: Any, norm: torch.Tensor, residual: bool) -> torch.Tensor:
+    x64 = x.double()
+    h = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS) * norm.double()
+    gate, up = (h @ gate_up.dequantize(torch.float64).T).chunk(2, dim=-1)
+    y = (F.silu(gate) * up) @ down.dequantize(torch.float64).T
+    return x64 + y if residual else y
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor, kind: str = "frob") -> float:
+    a, b = a.double(), b.double()
+    if kind == "max":
+        return float((a - b).abs().max() / b.abs().max())
+    return float((a - b).norm() / b.norm())
+
+
+def _check(persistent: Callable, two: Callable, layer: tuple, x: torch.Tensor, residual: bool) -> dict[str, Any]:
+    gate_up, down, norm = layer
+    want = two(x.clone(), gate_up, down, norm, residual)
+    ref = _reference(x, gate_up, down, norm, residual)
+    runs = [persistent(x.clone(), gate_up, down, norm, residual) for _ in range(50)]
+    torch.cuda.synchronize()
+    return {
+        "max_rel_vs_two_launches": _rel(runs[0], want, "max"),
+        "rel_frob_vs_float64": _rel(runs[0], ref),
+        "two_launches_rel_frob_vs_float64": _rel(want, ref),
+        "repeats_distinct_results": len({r.view(torch.int16).cpu().numpy().tobytes() for r in runs}),
+        "repeats_max_rel_spread": max(_rel(r, runs[0], "max") for r in runs),
+    }
+
+
+def layer_section(quick: bool) -> dict[str, Any]:
+    base, on = _policies()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = _layers(gen)
+    res: dict[str, Any] = {"policy": {"pdl": base.pdl, "gluon_gemv": base.gluon_gemv, "staged_gemv": base.staged_gemv},
+                           "layer_copies": LAYER_COPIES, "chain": CHAIN}  # fmt: skip
+    two, persistent = _two_launches(base), _persistent(on)
+    for case, residual in (("seed407m_prenorm", True), ("ouro_shape_sandwich", False)):
+        for rows in (1,) if quick else (1, 2, 4):
+            key = f"{case}_rows{rows}"
+            x = torch.randn(rows, D_MODEL, device="cuda", generator=gen).bfloat16()
+            row: dict[str, Any] = {"two_launches_us": _chain_us(two, layers, x, residual)}
+            try:
+                row["persistent_us"] = _chain_us(persistent, layers, x, residual)
+                row.update(_check(persistent, two, layers[0], x, residual))
+                row["tile"] = list(on.persistent_mlp_tile(D_MODEL, FFN, rows, GROUP))
+            except Exception:
+                row["persistent_error"] = traceback.format_exc()[-3000:]
+            res[key] = row
+            print(key, {k: v for k, v in row.items() if not k.endswith("error")}, flush=True)
+            save()
+    if not quick:
+        from tinyloop.kernels.policy import PersistentMlpTile
+
+        x = torch.randn(1, D_MODEL, device="cuda", generator=gen).bfloat16()
+        sweep = {}
+        for tile in TILE_SWEEP:
+            tiled = dataclasses.replace(on, persistent_mlp_tiles={(D_MODEL, FFN, 1): PersistentMlpTile(*tile)})
+            try:
+                mlp = _persistent(tiled)
+                sweep[str(tile)] = {"us": _chain_us(mlp, layers, x, True),
+                                    **_check(mlp, two, layers[0], x, True)}  # fmt: skip
+            except Exception:
+                sweep[str(tile)] = {"error": traceback.format_exc()[-2000:]}
+            print("tile", tile, sweep[str(tile)], flush=True)
+        res["seed407m_prenorm_rows1_tiles"] = sweep
+    return res
+
+
+def canary() -> None:
+    """Child process: one persistent launch per row count and residual mode, synchronised."""
+    _, on = _policies()
+    layers = _layers(torch.Generator(device="cuda").manual_seed(1))[:1]
+    persistent = _persistent(on)
+    for rows in (1, 2, 4):
+        for residual in (True, False):
+            x = torch.randn(rows, D_MODEL, device="cuda").bfloat16()
+            persistent(x, *layers[0], residual)
+            torch.cuda.synchronize()
+    print("canary ok")
+
+
+def canary_section(timeout: float = 420) -> dict[str, Any]:
+    t = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, __file__, "--canary"], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"no result in {timeout:.0f} s: a wait that never ends (or a very slow compile)"}
+    ok = done.returncode == 0 and "canary ok" in done.stdout
+    res: dict[str, Any] = {"ok": ok, "seconds": round(time.perf_counter() - t, 1)}
+    if not ok:
+        res["error"] = (done.stdout + done.stderr)[-4000:]
+    return res
+
+
+# ---- the whole decode step through the public API -------------------------------------------------------------
+def make_model(preset: str, path: str) -> None:
+    if not Path(path).exists():
+        subprocess.run([sys.executable, "-m", "tinyloop.cli.convert", "--random", "--preset", preset, "-o", path,
+                        "--bits", "4", "--quiet"], check=True)  # fmt: skip
+
+
+def decode_numbers(path: str, loops: int, persistent: bool, new: int = 128, prompt_len: int = 128) -> dict[str, Any]:
+    import tinyloop
+
+    def run() -> dict[str, Any]:
+        m = tinyloop.Model(path, max_seq_len=1024, device="cuda")
+        try:
+            eng = m._engine
+            prompt = np.random.default_rng(1).integers(0, m.config["vocab_size"], prompt_len).astype(np.int32)
+            res: dict[str, Any] = {"policy_persistent_decode": eng.kernel_policy.persistent_decode}
+            for _ in range(2):
+                m.generate(prompt, new, loops=loops, temperature=0.0)  # compiles, captures the decode graph
+            decodes = []
+            for _ in range(5):
+                greedy = m.generate(prompt, new, loops=loops, temperature=0.0)
+                st = m.last_stats
+                decodes.append(st.decode_s / max(st.generated_tokens - 1, 1) * new)
+            res["decode_128_tokens_ms"] = 1e3 * statistics.median(decodes)
+            res["decode_tokens_per_s"] = new / statistics.median(decodes)
+            res["greedy"] = [int(t) for t in greedy]
+            cache = eng.new_cache(1, prompt_len + new + 8, loops)
+            eng.step(torch.as_tensor(prompt[None], dtype=torch.long), cache, loops, last_only=True)
+            tok = torch.tensor([[5]])
+
+            def raw() -> None:
+                cache.truncate(prompt_len)
+                for _ in range(new):
+                    eng.step(tok, cache, loops, last_only=True)
+
+            raw()
+            res["raw_decode_128_ms"] = 1e3 * statistics.median(timed(raw, 5))
+            return res
+        finally:
+            m.close()
+            torch.cuda.empty_cache()
+
+    return with_env({"TINYLOOP_PERSISTENT_DECODE": "1" if persistent else "0"}, run)
+
+
+def _agreeing(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def decode_section(preset: str, path: str, loops: int, persistent_ok: bool) -> dict[str, Any]:
+    make_model(preset, path)
+    res: dict[str, Any] = {"loops": loops, "default": decode_numbers(path, loops, False)}
+    if persistent_ok:
+        try:
+            res["persistent"] = decode_numbers(path, loops, True)
+            res["greedy_tokens_agreeing"] = _agreeing(res["default"]["greedy"], res["persistent"]["greedy"])
+            res["speedup_raw_decode"] = res["default"]["raw_decode_128_ms"] / res["persistent"]["raw_decode_128_ms"]
+        except Exception:
+            res["persistent_error"] = traceback.format_exc()[-3000:]
+    return res
+
+
+def builtin_section(persistent_ok: bool) -> dict[str, Any]:
+    import tinyloop
+
+    prompts = [np.frombuffer(p.encode(), dtype=np.uint8).astype(np.int32) for p in ("def fibonacci(n):", "class S:\n")]
+    cpu = tinyloop.Model("tiny", device="cpu")
+    want = [[int(t) for t in cpu.generate(p, 32, loops=8, temperature=0.0)] for p in prompts]
+    cpu.close()
+    res: dict[str, Any] = {"cpu_greedy": want}
+    for name, on in (("default", False), ("persistent", True)):
+        if on and not persistent_ok:
+            continue
+
+        def run() -> list[list[int]]:
+            gpu = tinyloop.Model("tiny", device="cuda")
+            try:
+                return [[int(t) for t in gpu.generate(p, 32, loops=8, temperature=0.0)] for p in prompts]
+            finally:
+                gpu.close()
+
+        got = with_env({"TINYLOOP_PERSISTENT_DECODE": "1" if on else "0"}, run)
+        res[f"{name}_greedy_agreeing_with_cpu"] = [_agreeing(a, b) for a, b in zip(got, want, strict=True)]
+        res[f"{name}_greedy"] = got
+    if "persistent_greedy" in res:
+        res["persistent_agreeing_with_default"] = [
+            _agreeing(a, b) for a, b in zip(res["persistent_greedy"], res["default_greedy"], strict=True)
+        ]
+    return res
+
+
+def env_section() -> dict[str, Any]:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "triton": triton.__version__,
+            "cuda": torch.version.cuda, "sm_count": props.multi_processor_count,
+            "l2_bytes": getattr(props, "L2_cache_size", None)}  # fmt: skip
+
+
+def main() -> None:
+    global OUT
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=str(OUT), help="the JSON file to write")
+    ap.add_argument("--quick", action="store_true", help="one row count, no tile sweep")
+    ap.add_argument("--ouro-decode", action="store_true", help="also decode the Ouro-1.4B shape (writes 1.4B weights)")
+    ap.add_argument("--canary", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.canary:
+        canary()
+        return
+    OUT = Path(args.out)
+    # seed-407m's random weights are written while the kernels compile and run (the converter writes atomically).
+    writer = None
+    if not Path(SEED_PATH).exists():
+        writer = subprocess.Popen([sys.executable, "-m", "tinyloop.cli.convert", "--random", "--preset", "seed-407m",
+                                   "-o", SEED_PATH, "--bits", "4", "--quiet"])  # fmt: skip
+    section("env", env_section)
+    section("canary", canary_section)
+    persistent_ok = bool(RESULTS.get("canary", {}).get("ok"))
+    if persistent_ok:
+        section("layer", lambda: layer_section(args.quick))
+    if writer is not None:
+        writer.wait()
+    section("decode_seed407m", lambda: decode_section("seed-407m", SEED_PATH, 8, persistent_ok))
+    section("builtin", lambda: builtin_section(persistent_ok))
+    if args.ouro_decode:
+        section("decode_ouro_shape", lambda: decode_section("ouro-1.4b-shape", OURO_PATH, 4, persistent_ok))
+    print(json.dumps({k: v for k, v in RESULTS.items() if k != "layer"}, indent=1)[:6000])
+
+
+if __name__ == "__main__":
+    main()
