@@ -10,8 +10,10 @@ Sections (each saves the JSON so far; a failing one records its traceback and th
   seed-407m runs it (pre-norm: the result overwrites the residual) and as the Ouro-1.4B shape does (sandwich norms:
   no residual), for 1, 2 and 4 rows: microseconds per layer as a chain of 64 layers inside one CUDA graph, the
   weights of 8 distinct layers cycled so that they stream from DRAM (138 MB against a 50 MB L2), today's two
-  launches (the engine's own policy: Gluon / staged GEMVs, PDL) against the persistent kernel; its error against
-  the two launches and float64, and whether 50 repeated launches agree (the split-K sums arrive in any order).
+  launches (the engine's own policy: Gluon / staged GEMVs, PDL) against the persistent kernel; at 2 and 4 rows also
+  what the decode step runs there by default (cuBLAS on kept 16-bit copies, KernelPolicy.dense_copy_min_rows);
+  the kernel's error against the two launches and float64, and whether 50 repeated launches agree (the split-K
+  sums arrive in any order).
   Rows 1 with residual also sweeps a few tiles.
 - decode: seed-407m (random INT4 weights, written to /tmp on first use) decoding 128 tokens after a 128-token
   prompt at 8 loops through the public API with TINYLOOP_PERSISTENT_DECODE=0 and =1 (generate, and the raw decode
@@ -189,17 +191,22 @@ def _check(persistent: Callable, two: Callable, layer: tuple, x: torch.Tensor, r
 
 
 def layer_section(quick: bool) -> dict[str, Any]:
+    from tinyloop.kernels.cuda_ops import dequantize_int4
+
     base, on = _policies()
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = _layers(gen)
     res: dict[str, Any] = {"policy": {"pdl": base.pdl, "gluon_gemv": base.gluon_gemv, "staged_gemv": base.staged_gemv},
                            "layer_copies": LAYER_COPIES, "chain": CHAIN}  # fmt: skip
     two, persistent = _two_launches(base), _persistent(on)
+    dense = [(dequantize_int4(g, torch.bfloat16), dequantize_int4(d, torch.bfloat16), n) for g, d, n in layers]
     for case, residual in (("seed407m_prenorm", True), ("ouro_shape_sandwich", False)):
         for rows in (1,) if quick else (1, 2, 4):
             key = f"{case}_rows{rows}"
             x = torch.randn(rows, D_MODEL, device="cuda", generator=gen).bfloat16()
             row: dict[str, Any] = {"two_launches_us": _chain_us(two, layers, x, residual)}
+            if base.dense_copy_min_rows and rows >= base.dense_copy_min_rows:  # the decode step's default there
+                row["two_launches_16bit_copies_us"] = _chain_us(two, dense, x, residual)
             try:
                 row["persistent_us"] = _chain_us(persistent, layers, x, residual)
                 row.update(_check(persistent, two, layers[0], x, residual))
