@@ -1,6 +1,7 @@
 """Time a depth sweep of the shipped python_snippets task three ways, and draw its accuracy-vs-loops plot:
 
-1. `tinyloop eval`'s sweep: one backend per depth sharing one scorer (every depth from one forward);
+1. `tinyloop eval`'s sweep: one backend per depth sharing one scorer (every depth from one forward, each
+   question's context run once for its four choices);
 2. the same backend run separately at each depth (what a harness does with one model per depth);
 3. `Model.score` in a plain loop: one forward per (request, depth), log-softmax, sum, pick the best choice.
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -55,6 +57,7 @@ def main() -> None:
     args = p.parse_args()
     depths = [int(d) for d in args.loops.split(",")]
     timings = {}
+    load_before = os.getloadavg()
 
     start = time.perf_counter()
     swept = run_sweep("tiny", [TASK], depths, batch_size=args.batch_size, dtype="float32")
@@ -83,6 +86,7 @@ def main() -> None:
         "metrics": {str(d): swept.metrics[TASK][d] for d in depths}, "seconds": timings,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version(),
         "processor": platform.processor() or platform.machine(), "date": time.strftime("%Y-%m-%d"),
+        "load_average_1_5_15min": {"before": load_before, "after": os.getloadavg()},
     }  # fmt: skip
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out} and {args.plot}")
