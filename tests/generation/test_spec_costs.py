@@ -41,46 +41,61 @@ def cheap_verify(rows: int) -> float:
     return 0.75 * PLAIN_S + 0.05 * PLAIN_S * rows
 
 
-def test_estimates_are_medians_of_recent_samples_and_fill_in_unmeasured_rows() -> None:
+def test_costs_are_ratios_to_the_draft_steps_timed_with_them() -> None:
     prior = LayerCosts.for_device(TINY_CONFIG, 2, 8, "cpu")
+    prior_plain = prior.plain() / prior.draft()
     costs = StepCosts(prior, clock=FakeClock())
-    assert costs.plain() == prior.plain() and costs.verify(5) == prior.verify(5)  # nothing measured: the prior
-    costs.add_plain(0.200)  # a first call's spike
-    assert costs.plain() == 0.200
-    costs.add_plain(0.020)
-    costs.add_plain(0.015)
-    assert costs.plain() == 0.020  # the spike no longer counts
+    assert (costs.draft(), costs.plain(), costs.verify(5)) == pytest.approx(
+        (prior.draft(), prior.plain(), prior.verify(5))
+    )
+    costs.add_plain(0.030)  # no round yet: nothing to time it against
+    costs.add_round(3, 0.012, 2, 0.010)  # draft steps of 4 ms, a verify pass of 2 rows worth 2.5 of them
+    assert costs.draft() == pytest.approx(0.004) and costs.verify(2) == pytest.approx(0.010)
+    assert costs.plain() == pytest.approx(0.004 * prior_plain)  # the prior's ratio
+    costs.add_plain(0.012)
+    costs.add_plain(0.012)  # right after the round: 3 of its draft steps, against the prior's 2 samples
+    assert costs.plain() == pytest.approx(0.004 * (3 + prior_plain) / 2)
+    # The machine slows down by half (another process): all costs move together, whatever was timed when.
+    costs.add_round(3, 0.024, 6, 0.060)  # draft steps of 8 ms, 6 rows worth 7.5 of them
+    costs.add_plain(0.024)
+    costs.add_plain(0.024)
+    for _ in range(5):
+        costs.add_plain(0.100)  # a pause's later plain steps are not timed against old draft steps
+    assert costs.draft() == pytest.approx(0.006)  # the median of 4 and 8 ms
+    assert costs.plain() == pytest.approx(3 * 0.006) and costs.verify(6) == pytest.approx(7.5 * 0.006)
+    assert costs.verify(2) == pytest.approx(2.5 * 0.006)
+    assert costs.verify(4) == pytest.approx(5.0 * 0.006)  # between two measured row counts: linear
+    assert costs.verify(8) == pytest.approx(10.0 * 0.006)  # above them: the fitted slope
+    assert costs.verify(1) == pytest.approx(2.5 * 0.006 * prior.verify(1) / prior.verify(2))  # below: prior's shape
+    assert costs.round(3) == pytest.approx(4 * 0.006 + 5.0 * 0.006)
+
+
+def test_estimates_are_medians_of_recent_samples() -> None:
+    costs = StepCosts(LayerCosts.for_device(TINY_CONFIG, 2, 8, "cpu"), clock=FakeClock())
+    costs.add_round(1, 0.100, 2, 0.100)  # a first call's spike
+    assert costs.draft() == 0.100
+    costs.add_round(1, 0.010, 2, 0.020)
+    costs.add_round(1, 0.012, 2, 0.024)
+    assert costs.draft() == 0.012 and costs.verify(2) == pytest.approx(2 * 0.012)  # the spike no longer counts
     for _ in range(SAMPLES_KEPT):
-        costs.add_plain(0.015)  # the machine got faster: only the recent samples count
-    assert costs.plain() == 0.015
-    per_layer = 0.015 / prior.plain()  # kinds not timed yet: the prior in seconds at the plain step's rate
-    assert costs.draft() == pytest.approx(prior.draft() * per_layer)
-    assert costs.verify(3) == pytest.approx(prior.verify(3) * per_layer)
-    costs.add_draft(3, 0.012)
-    assert costs.draft() == pytest.approx(0.004)
-    costs.add_verify(2, 0.010)
-    assert costs.verify(5) == pytest.approx(0.010 * prior.verify(5) / prior.verify(2))  # one point: prior's shape
-    costs.add_verify(6, 0.030)
-    assert costs.verify(4) == pytest.approx(0.020)  # between two points: linear
-    assert costs.verify(8) == pytest.approx(0.040)  # above them: the fitted slope
-    assert costs.verify(1) == pytest.approx(0.010 * prior.verify(1) / prior.verify(2))
-    assert costs.round(3) == pytest.approx(4 * 0.004 + 0.020)
+        costs.add_round(1, 0.005, 2, 0.010)  # only the recent samples count
+    assert costs.draft() == 0.005
 
 
-def test_plain_steps_are_timed_first_and_now_and_then() -> None:
+def test_a_plain_step_is_timed_every_few_rounds() -> None:
     costs = StepCosts(LayerCosts.for_device(TINY_CONFIG, 2, 8, "cpu"))
-    assert costs.wants_plain_sample()
-    costs.add_plain(0.01)
+    for _ in range(PLAIN_REFRESH_ROUNDS):
+        assert not costs.wants_plain_sample()
+        costs.add_round(5, 0.02, 5, 0.02)
     assert costs.wants_plain_sample()
     costs.add_plain(0.01)
     assert not costs.wants_plain_sample()
-    for _ in range(PLAIN_REFRESH_ROUNDS):
-        costs.add_verify(5, 0.02)
-    assert costs.wants_plain_sample()
     fixed = StepCosts(LayerCosts.for_device(TINY_CONFIG, 2, 8, "cpu"), learn=False)
+    for _ in range(PLAIN_REFRESH_ROUNDS):
+        fixed.add_round(5, 5.0, 5, 5.0)
     fixed.add_plain(5.0)
-    fixed.add_verify(5, 5.0)
-    assert not fixed.wants_plain_sample() and fixed.plain() == fixed.prior.plain()
+    assert not fixed.wants_plain_sample()
+    assert (fixed.plain(), fixed.verify(5)) == (fixed.prior.plain(), fixed.prior.verify(5))
 
 
 def simulate(verify_s, tokens: int = 700) -> tuple[list[int], float]:
@@ -101,10 +116,9 @@ def simulate(verify_s, tokens: int = 700) -> tuple[list[int], float]:
             produced += 1
             continue
         clock.advance((k + 1) * DRAFT_S)
-        costs.add_draft(k + 1, clock() - t)
-        t = clock()
+        draft_s, t = clock() - t, clock()
         clock.advance(verify_s(k + 1))
-        costs.add_verify(k + 1, clock() - t)
+        costs.add_round(k + 1, draft_s, k + 1, clock() - t)
         policy.update(k, k)
         produced += k + 1
     return ks, clock() - start
@@ -113,18 +127,17 @@ def simulate(verify_s, tokens: int = 700) -> tuple[list[int], float]:
 def test_dear_verification_stops_speculation_and_probes_now_and_then() -> None:
     ks, seconds = simulate(dear_verify)
     rounds = [i for i, k in enumerate(ks) if k]
-    # Two plain steps timed, the round the prior asked for, one at the longest length (which by the prior's
-    # shape of verify costs, scaled to the one measured, might still pay), then one-token probes only.
-    assert [ks[i] for i in rounds] == [4, 8, 1, 1, 1, 1] and rounds[0] == 2
-    gaps = [b - a - 1 for a, b in zip(rounds[1:], rounds[2:], strict=False)]
+    # The round the prior asked for, then one-token probes only.
+    assert [ks[i] for i in rounds] == [4, 1, 1, 1, 1] and rounds[0] == 0
+    gaps = [b - a - 1 for a, b in zip(rounds, rounds[1:], strict=False)]
     assert gaps == [8, 64, 128, 256]  # plain steps between probes, doubling
     assert seconds < 1.02 * 700 * PLAIN_S  # the probes cost under 2 % against plain decoding
 
 
 def test_cheap_verification_speculates() -> None:
     ks, seconds = simulate(cheap_verify)
-    assert ks[:3] == [0, 0, 4]
-    assert ks.count(0) <= 2 + 700 // (5 * PLAIN_REFRESH_ROUNDS) + 1  # the timed plain steps only
+    assert ks[:5] == [4, 5, 6, 7, 8]
+    assert ks.count(0) <= 700 // (5 * PLAIN_REFRESH_ROUNDS)  # the timed plain steps only
     assert max(ks) == 8  # fully accepted rounds grew to 2 x draft_ahead
     assert seconds < 0.6 * 700 * PLAIN_S
 
@@ -133,8 +146,8 @@ def test_a_length_that_would_not_pay_is_cut_to_one_that_does() -> None:
     """Verification that turns dear above 5 rows (as when a kernel for few rows hands over to another):
     fully accepted rounds stop growing at 4 drafts instead of pausing speculation."""
     ks, seconds = simulate(lambda rows: 0.5 * PLAIN_S + (0.05 if rows <= 5 else 1.0) * PLAIN_S * rows)
-    assert ks[:4] == [0, 0, 4, 5]  # one round at 5 drafts measures 6 rows
-    assert set(ks[4:-1]) <= {0, 4} and ks.count(4) > 100  # (the last round drafts what is left)
+    assert ks[:3] == [4, 5, 4]  # one round at 5 drafts measures 6 rows
+    assert set(ks[2:-1]) <= {0, 4} and ks.count(4) > 100  # (the last round drafts what is left)
     assert seconds < 0.6 * 700 * PLAIN_S
 
 
@@ -168,9 +181,9 @@ def test_decode_loop_learns_the_costs_and_keeps_plain_tokens(verify_s) -> None:
     got = list(speculative_tokens(engine, cache, ids, 200, SpecConfig(2, 8, 4), greedy, stats, costs=costs))
     assert got == plain
     assert stats.accepted == stats.drafted > 0
-    measured = (costs.plain(), costs.draft(), costs.verify(5))  # the first round drafted 4
-    assert measured == pytest.approx((PLAIN_S, DRAFT_S, verify_s(5)))
-    if verify_s is dear_verify:
+    assert (costs.draft(), costs.verify(5)) == pytest.approx((DRAFT_S, verify_s(5)))  # the first round drafted 4
+    if verify_s is dear_verify:  # pauses start right after rounds: enough plain steps timed to outvote the prior
+        assert costs.plain() == pytest.approx(PLAIN_S)
         assert stats.verify_passes <= 4 and stats.plain_steps > 180  # plain, with a few probes
         assert stats.draft_s + stats.verify_s + stats.plain_s < 1.05 * 199 * PLAIN_S
     else:

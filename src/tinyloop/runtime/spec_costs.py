@@ -3,7 +3,7 @@
 The adaptive draft policy (spec_policy.py) compares speculation's expected tokens per second with plain
 decoding's. Constants fitted on one machine do not hold on another (a verify pass of several rows costs
 what the machine's matmuls and per-op overheads make it), so `StepCosts` replaces the prior with running
-estimates of the steps a request actually runs: a draft step, a verify pass of n rows, a plain step.
+estimates from the steps a request actually runs: a draft step, a verify pass of n rows, a plain step.
 """
 
 from __future__ import annotations
@@ -33,10 +33,13 @@ CUDA_LARGE_D_MODEL = 1024
 # allocations, another process taking the core), and a median of few samples is not biased against the
 # kinds timed more often, as a minimum would be.
 SAMPLES_KEPT = 9
-# Plain steps timed before the first speculative round, and speculative rounds after which a plain step is
-# timed again while no pause ran one (its cost grows with the context, as the others' do).
-PLAIN_SAMPLES_FIRST = 2
-PLAIN_REFRESH_ROUNDS = 16
+# Rounds after which a plain step is timed (against the round before it), and the plain steps that follow a
+# round closely enough to count. A plain step runs the draft step's code with more loops, so the prior's
+# ratio holds well; it stays in the median as PLAIN_PRIOR_SAMPLES samples, which keeps the estimate from
+# swinging with a few samples taken while the load changed between a round and the plain step.
+PLAIN_REFRESH_ROUNDS = 8
+PLAIN_NEAR_ROUND = 2
+PLAIN_PRIOR_SAMPLES = 2
 
 
 class _Samples:
@@ -95,8 +98,12 @@ class LayerCosts:
 
 @dataclass
 class StepCosts:
-    """Seconds a plain step, a draft step and a verify pass of n rows take: running estimates from the steps
-    timed with `clock`, the prior (scaled to seconds by what was measured) for a kind not timed yet.
+    """What a plain step, a draft step and a verify pass of n rows cost, from the steps timed with `clock`.
+
+    Another process on the machine can double every step's time within a second, so costs are measured as
+    ratios of steps timed together: a verify pass against the draft steps of its own round, a plain step
+    against the draft steps of the round just before it. Costs are returned in seconds at the typical draft
+    step's time (only their ratios decide); the layer-pass prior stands in for a ratio not measured yet.
 
     learn False: samples are ignored and the prior alone decides (in layer passes), so the policy's choices,
     and with them a seeded sampled request's tokens, repeat exactly from run to run. Greedy tokens never
@@ -106,45 +113,59 @@ class StepCosts:
     prior: LayerCosts
     learn: bool = True
     clock: Callable[[], float] = time.perf_counter
-    _plain: _Samples = field(default_factory=_Samples, init=False, repr=False)
-    _draft: _Samples = field(default_factory=_Samples, init=False, repr=False)
-    _verify: dict[int, _Samples] = field(default_factory=dict, init=False, repr=False)  # by rows
+    _draft: _Samples = field(default_factory=_Samples, init=False, repr=False)  # seconds per draft step
+    _plain: _Samples = field(default_factory=_Samples, init=False, repr=False)  # plain step / draft step
+    _verify: dict[int, _Samples] = field(default_factory=dict, init=False, repr=False)  # by rows, / draft step
+    _last_draft_step: float = field(default=0.0, init=False, repr=False)
+    _plain_since_round: int = field(default=0, init=False, repr=False)
     rounds_since_plain: int = field(default=0, init=False)
 
+    def add_round(self, draft_steps: int, draft_seconds: float, rows: int, verify_seconds: float) -> None:
+        """A round's timings: `draft_steps` draft steps, then a verify pass over `rows` positions."""
+        if not self.learn or draft_steps <= 0:
+            return
+        step = draft_seconds / draft_steps
+        self._draft.add(step)
+        self._verify.setdefault(rows, _Samples()).add(verify_seconds / step)
+        self._last_draft_step = step
+        self._plain_since_round = 0
+        self.rounds_since_plain += 1
+
     def add_plain(self, seconds: float) -> None:
-        if self.learn:
-            self._plain.add(seconds)
+        """A plain step's time; it counts when it comes right after a round (PLAIN_NEAR_ROUND steps)."""
+        if not self.learn:
+            return
+        if self._draft.count and self._plain_since_round < PLAIN_NEAR_ROUND:
+            self._plain.add(seconds / self._last_draft_step)
             self.rounds_since_plain = 0
-
-    def add_draft(self, steps: int, seconds: float) -> None:
-        if self.learn and steps > 0:
-            self._draft.add(seconds / steps)
-
-    def add_verify(self, rows: int, seconds: float) -> None:
-        if self.learn:
-            self._verify.setdefault(rows, _Samples()).add(seconds)
-            self.rounds_since_plain += 1
+        self._plain_since_round += 1
 
     def wants_plain_sample(self) -> bool:
-        """Whether the next step should be a plain one, to time it (at the start, and now and then)."""
-        return self.learn and (
-            self._plain.count < PLAIN_SAMPLES_FIRST or self.rounds_since_plain >= PLAIN_REFRESH_ROUNDS
-        )
-
-    def plain(self) -> float:
-        return self._plain.median if self._plain.count else self.prior.plain() * self._per_layer()
+        """Whether the next step should be a plain one, to time it (every PLAIN_REFRESH_ROUNDS rounds)."""
+        return self.learn and self.rounds_since_plain >= PLAIN_REFRESH_ROUNDS
 
     def draft(self) -> float:
-        return self._draft.median if self._draft.count else self.prior.draft() * self._per_layer()
+        return self._draft.median if self._draft.count else self.prior.draft()
+
+    def plain(self) -> float:
+        prior = self.prior.plain() / self.prior.draft()
+        return statistics.median([*self._plain.recent, *[prior] * PLAIN_PRIOR_SAMPLES]) * self.draft()
 
     def verify(self, rows: int) -> float:
+        return self._verify_ratio(rows) * self.draft()
+
+    def round(self, k: int) -> float:
+        """A round drafting k tokens: k + 1 draft steps (the last one for the bonus position), one verify pass."""
+        return (k + 1) * self.draft() + self.verify(k + 1)
+
+    def _verify_ratio(self, rows: int) -> float:
         """Measured at `rows`, else read off the measured row counts: linear between two of them, the
         least-squares slope (at least 0) above them, the prior's shape below them or from a single one."""
         if rows in self._verify:
             return self._verify[rows].median
         points = sorted((r, samples.median) for r, samples in self._verify.items())
         if not points:
-            return self.prior.verify(rows) * self._per_layer()
+            return self.prior.verify(rows) / self.prior.draft()
         below = [p for p in points if p[0] < rows]
         above = [p for p in points if p[0] > rows]
         if below and above:
@@ -154,18 +175,3 @@ class StepCosts:
             r0, s0 = above[0] if above else points[0]
             return s0 * self.prior.verify(rows) / self.prior.verify(r0)
         return points[-1][1] + _slope(points) * (rows - points[-1][0])
-
-    def round(self, k: int) -> float:
-        """A round drafting k tokens: k + 1 draft steps (the last one for the bonus position), one verify pass."""
-        return (k + 1) * self.draft() + self.verify(k + 1)
-
-    def _per_layer(self) -> float:
-        """Seconds per layer pass from what was measured (1.0 before anything: the prior's own unit)."""
-        if self._plain.count:
-            return self._plain.median / self.prior.plain()
-        if self._draft.count:
-            return self._draft.median / self.prior.draft()
-        if self._verify:
-            rows, samples = min(self._verify.items())
-            return samples.median / self.prior.verify(rows)
-        return 1.0

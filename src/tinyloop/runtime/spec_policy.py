@@ -23,8 +23,8 @@ class DraftPolicy:
     """Chooses how many tokens to draft next (0: take a plain full-depth step instead).
 
     Adaptive: speculation runs while it costs less per token than plain decoding, by `costs` (seconds
-    measured on this machine; a layer-pass prior for a kind of step not timed yet). While learning, the
-    first steps are plain ones that time plain decoding (no slower than plain), as is one now and then.
+    measured on this machine; a layer-pass prior for a ratio not measured yet). While learning, a plain step
+    every 8 rounds times plain decoding against them (no slower than plain).
     The prefill measures how often the draft and verify depths agree over the prompt (prime): where the
     best draft length's expected cost per token (from that agreement) beats a plain step, the first round
     drafts `draft_ahead` tokens; without the estimate it drafts one (the cheapest probe).

@@ -291,9 +291,8 @@ def _speculate(
             draft_probs.append(q)
         drafts.append(x)
         g_states.append(picker.grammar.advance(g_states[-1], x) if picker.grammar is not None else 0)
-    spent = costs.clock() - t
-    costs.add_draft(len(states), spent)
-    stats.draft_s += spent
+    draft_s = costs.clock() - t
+    stats.draft_s += draft_s
 
     t = costs.clock()
     inputs = torch.tensor([[pending, *drafts]])
@@ -338,9 +337,9 @@ def _speculate(
         committed.append(extra)
         if picker.grammar is not None:
             picker.state = picker.grammar.advance(state, extra)
-    spent = costs.clock() - t
-    costs.add_verify(len(drafts) + 1, spent)
-    stats.verify_s += spent
+    verify_s = costs.clock() - t
+    costs.add_round(len(states), draft_s, len(drafts) + 1, verify_s)
+    stats.verify_s += verify_s
     stats.verify_passes += 1
     stats.drafted += len(drafts)
     stats.accepted += n_ok
