@@ -117,8 +117,8 @@ def test_continuations_after_a_shared_context_equal_whole_sequences_and_naive_ru
                 assert res.logprob.shape == (3, n) and np.array_equal(res.exit_depth, whole.exit_depth[:, -n:])
                 np.testing.assert_allclose(res.logprob, whole.logprob[:, -n:], rtol=0, atol=1e-5)
                 assert np.array_equal(res.greedy, whole.greedy[:, -n:])
-                if not kwargs:
-                    for d, depth in enumerate((1, 3, 5)):
+                if not kwargs and continuation is continuations[0]:  # the float64 reference is slow: a few runs
+                    for d, depth in ((0, 1), (2, 5)):
                         logits, _, _ = naive_forward(cfg, flat, tokens[:-1], depth)
                         ref = torch.log_softmax(logits, -1)[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
                         np.testing.assert_allclose(res.logprob[d], ref[-n:].numpy(), rtol=0, atol=1e-4)

@@ -55,14 +55,15 @@ def backend(tiny_files):
 
 def test_loglikelihood_equals_score_and_naive_reference(backend) -> None:
     results = backend.loglikelihood(_requests("loglikelihood", PAIRS + SHARED), disable_tqdm=True)
-    for (context, continuation), (lp, greedy) in zip(PAIRS + SHARED, results, strict=True):
+    for i, ((context, continuation), (lp, greedy)) in enumerate(zip(PAIRS + SHARED, results, strict=True)):
         tokens = list((context + continuation).encode())
         n = len(continuation.encode())
         logits = torch.from_numpy(backend.model.score(np.array(tokens[:-1], np.int32), loops=3)).double()
         logp = torch.log_softmax(logits, dim=-1)[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])][-n:]
         # Rows of a batch are right-padded to one length: the padding may change a row's BLAS blocking only.
         assert lp == pytest.approx(float(logp.sum()), abs=1e-4)
-        assert lp == pytest.approx(_naive_logprob(tokens, n, 3), abs=1e-3)
+        if i < len(PAIRS):  # the slow float64 reference for a few (the first two share their contexts)
+            assert lp == pytest.approx(_naive_logprob(tokens, n, 3), abs=1e-3)
         argmax = logits.argmax(-1)[-n:]
         assert greedy == bool((argmax == torch.tensor(tokens[1:])[-n:]).all())
 
