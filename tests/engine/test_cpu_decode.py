@@ -11,6 +11,7 @@ from naive_reference import naive_forward
 from tinyloop.cache.dense import DenseKVCache
 from tinyloop.cache.kv import KVCache
 from tinyloop.config import ArchConfig
+from tinyloop.kernels import cpu_onednn
 from tinyloop.model.looped import ForwardOutput
 from tinyloop.model.weights import ModelWeights
 from tinyloop.quant import quantize_int4
@@ -111,6 +112,24 @@ def test_prefill_matches_generic_and_naive(variant: str) -> None:
     last = fast_step(fast, torch.tensor([tokens]), caches[0], loops).logits
     assert last is not None and last.shape == (1, 1, cfg.vocab_size)
     assert max_rel_error(last[0, 0], naive[-1]) <= TOL
+
+
+@pytest.mark.parametrize("variant", ["pre-concat-zeros-gqa", "huginn-like"])
+def test_torch_mm_products_match_generic(variant: str) -> None:
+    """The decoder without oneDNN (torch.mm on the loader's layout) prefills and decodes as the generic path."""
+    cfg, _, fast, generic = engines(variant)
+    fast.decoder = CpuDecoder(cfg, fast.weights, fast.cos, fast.sin, fast.noise, onednn=False)
+    assert not fast.decoder.onednn and not any(
+        isinstance(m, cpu_onednn.OneDnnMatrix) for m in fast.decoder.operands.values()
+    )
+    caches = (fast.new_cache(2, 32, 3), generic.new_cache(2, 32, 3))
+    for engine, cache in zip((fast, generic), caches, strict=True):
+        engine.step(torch.tensor([[5, 9, 2], [4, 8, 6]]), cache, 3)
+    decode_both(fast, generic, caches, [[11, 12, 13], [21, 22, 23]], [3, 3, 3])
+    one = (fast.new_cache(1, 32, 3), generic.new_cache(1, 32, 3))
+    got = fast_step(fast, torch.tensor([[5, 9, 2, 7, 1, 3]]), one[0], 3, last_only=False).logits
+    ref = generic.step(torch.tensor([[5, 9, 2, 7, 1, 3]]), one[1], 3).logits
+    assert got is not None and ref is not None and max_rel_error(got, ref) <= TOL
 
 
 @pytest.mark.parametrize("variant", ["pre-concat-zeros-gqa", "huginn-like", "ouro-like", "layernorm-gelu-untied"])
@@ -223,3 +242,20 @@ def test_cpu_int4_dequantization_is_bit_exact(group_size: int, shape: tuple[int,
     assert got.shape == shape and torch.equal(got, w.dequantize(torch.float32))
     out_f, in_f = shape
     assert got.t().is_contiguous() if out_f >= in_f else got.is_contiguous()  # the faster layout for one row
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (384, 1024), (1152, 384)])
+def test_onednn_product_of_a_row_does_not_depend_on_the_other_rows(shape: tuple[int, int]) -> None:
+    """What batched == alone rests on in the CPU decode step: row r of a product is the same for 1 row and 16."""
+    assert cpu_onednn.available()
+    gen = torch.Generator().manual_seed(shape[0])
+    w = torch.randn(shape, generator=gen)
+    x = torch.randn(16, shape[1], generator=gen)
+    packed = cpu_onednn.pack(w)
+    full = cpu_onednn.matmul(x, packed)
+    assert max_rel_error(full, x.double() @ w.double().T) <= 1e-6
+    for r in range(16):
+        assert torch.equal(cpu_onednn.matmul(x[r : r + 1], packed), full[r : r + 1]), r
+    assert torch.equal(cpu_onednn.matmul(x[:8], packed), full[:8])
+    plus = torch.randn(16, shape[0], generator=gen)
+    assert torch.equal(cpu_onednn.matmul_add(x[3:4], packed, plus[3:4]), cpu_onednn.matmul_add(x, packed, plus)[3:4])

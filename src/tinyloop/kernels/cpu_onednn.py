@@ -41,7 +41,7 @@ def pack(w: torch.Tensor) -> OneDnnMatrix:
 
 
 def matmul(x: torch.Tensor, w: OneDnnMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [rows, in] float32 @ w.T (+ bias [out]) -> a new [rows, out] float32 tensor."""
+    """x [rows, in] @ w.T (+ bias [out]) -> a new [rows, out] tensor, in w's dtype (float32 for `pack`)."""
     return torch.ops.mkldnn._linear_pointwise(x, w.packed, bias, "none", [], "")
 
 

@@ -210,13 +210,16 @@ class CpuDecoder:
     appended after what the cache holds; anything else is declined (None)."""
 
     def __init__(self, cfg: ArchConfig, weights: ModelWeights, cos: torch.Tensor, sin: torch.Tensor,
-                 noise: torch.Tensor | None) -> None:  # fmt: skip
+                 noise: torch.Tensor | None, onednn: bool | None = None) -> None:  # fmt: skip
+        """onednn: multiply float32 matrices through oneDNN on a reordered copy (kernels/cpu_onednn.py);
+        None (the engine's choice): where torch has oneDNN and the copy fits; False: torch.mm."""
         self.cfg = cfg
         self.w = weights
         self.cos, self.sin, self.noise = cos, sin, noise
-        # Float32 matrices reordered for oneDNN (kernels/cpu_onednn.py): a second copy, made where it fits.
         copy_bytes = _float32_matrix_bytes(weights)
-        self.onednn = cpu_onednn.available() and copy_bytes > 0 and _fits_twice(copy_bytes)
+        if onednn is None:
+            onednn = cpu_onednn.available() and copy_bytes > 0 and _fits_twice(copy_bytes)
+        self.onednn = onednn
         if self.onednn:
             detail(f"CPU decode path: oneDNN copies of the float32 matrices, {copy_bytes / 2**20:.1f} MiB")
         # What the forward hands the ops (a layer's weights, a matrix, a norm) -> its packed form here.
