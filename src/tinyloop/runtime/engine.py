@@ -93,8 +93,9 @@ class Engine:
                 f"allocated RoPE tables: {positions} positions, {(self.cos.nbytes + self.sin.nbytes) / 2**20:.2f} MiB "
                 f"on {self.device}{noise}"
             )
-            if self.decoder is not None:  # it holds the old tables
+            if self.decoder is not None:  # it holds the old tables; its weight copies go before the new one's
                 self.decoder.release()
+                self.decoder = None
             self.decoder = select_decoder(self)
 
     def close(self) -> None:
