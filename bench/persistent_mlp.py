@@ -1,26 +1,28 @@
 """The persistent MLP kernel (step 1 of docs/DECODE_DATAFLOW.md) against today's two launches, on one GPU.
 
-    PYTHONPATH=src python3 bench/persistent_mlp.py --out $OUT/persistent_mlp.json [--quick] [--ouro-decode]
+    PYTHONPATH=src python3 bench/persistent_mlp.py --out $OUT/persistent_mlp.json [--quick] [--only SECTION ...]
 
-Sections (each saves the JSON so far; a failing one records its traceback and the rest still run):
-- canary: the persistent kernel launched once per row count in a child process with a time limit, so a kernel
-  that does not compile, or a wait that never ends, is recorded instead of hanging the run; when it fails the
-  persistent measurements below are skipped.
+Sections, in this order (each saves the JSON so far; a failing one records its traceback and the rest still run):
+- canary (always): the persistent kernel launched once per row count and residual mode in a child process with a
+  time limit, so a kernel that does not compile, or a wait that never ends, is recorded instead of hanging the run;
+  when it fails the persistent measurements are skipped and the default path's still run.
 - layer: one layer's MLP (d_model 2048, ffn 5632, INT4 groups of 64 in the blocked layout, bfloat16), as
   seed-407m runs it (pre-norm: the result overwrites the residual) and as the Ouro-1.4B shape does (sandwich norms:
-  no residual), for 1, 2 and 4 rows: microseconds per layer as a chain of 64 layers inside one CUDA graph, the
-  weights of 8 distinct layers cycled so that they stream from DRAM (138 MB against a 50 MB L2), today's two
-  launches (the engine's own policy: Gluon / staged GEMVs, PDL) against the persistent kernel; at 2 and 4 rows also
-  what the decode step runs there by default (cuBLAS on kept 16-bit copies, KernelPolicy.dense_copy_min_rows);
+  no residual), for 1, 2 and 4 rows (--quick: 1): microseconds per layer in a chain of 64 layers inside one CUDA
+  graph, the weights of 8 distinct layers cycled so that they stream from DRAM (138 MB against a 50 MB L2), today's
+  two launches (the engine's own policy: Gluon / staged GEMVs, PDL) against the persistent kernel; at 2 and 4 rows
+  also what the decode step runs there by default (cuBLAS on kept 16-bit copies, KernelPolicy.dense_copy_min_rows);
   the kernel's error against the two launches and float64, and whether 50 repeated launches agree (the split-K
   sums arrive in any order).
-  Rows 1 with residual also sweeps a few tiles.
-- decode: seed-407m (random INT4 weights, written to /tmp on first use) decoding 128 tokens after a 128-token
-  prompt at 8 loops through the public API with TINYLOOP_PERSISTENT_DECODE=0 and =1 (generate, and the raw decode
-  step without sampling), and the greedy tokens of both; with --ouro-decode the Ouro-1.4B shape at 4 loops too.
-- builtin: the built-in model's greedy tokens (32 at 8 loops) on the GPU with the persistent kernel against the
-  CPU path and against the GPU's default path.
-Takes about 6-10 minutes on an H100 (most of it compiling and writing the random seed-407m model).
+- decode: seed-407m (random INT4 weights, written to /tmp while the sections before run) decoding 128 tokens after
+  a 128-token prompt at 8 loops through the public API with TINYLOOP_PERSISTENT_DECODE=0 and =1 (generate, and the
+  raw decode step without sampling), and the greedy tokens of both.
+- builtin: the built-in model's greedy tokens (32 at 8 loops, two prompts) on the GPU with and without the
+  persistent kernel against the CPU path.
+- tiles: seed-407m's layer at one row under a few tiles of the persistent kernel.
+- ouro_decode (only when named): the Ouro-1.4B shape decoding at 4 loops, as decode (writes 1.4B random weights).
+About 5-8 minutes on an H100 from a cold Triton cache, most of it compiling; split it with --only when a call's
+time is short (e.g. `--only layer` then `--only decode builtin tiles`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ OURO_PATH = "/tmp/ouro-1.4b-shape.tinyloop"
 D_MODEL, FFN, GROUP, EPS = 2048, 5632, 64, 1e-6
 LAYER_COPIES, CHAIN = 8, 64
 # (gate / up rows, blocks per step, K slice, down rows, warps): the default first.
+SECTIONS = ["layer", "decode", "builtin", "tiles", "ouro_decode"]
 TILE_SWEEP = [(32, 8, 256, 128, 8), (16, 8, 256, 128, 4), (32, 8, 128, 256, 8), (64, 4, 256, 64, 8),
               (32, 8, 256, 64, 4)]  # fmt: skip
 
@@ -198,6 +201,7 @@ def layer_section(quick: bool) -> dict[str, Any]:
     layers = _layers(gen)
     res: dict[str, Any] = {"policy": {"pdl": base.pdl, "gluon_gemv": base.gluon_gemv, "staged_gemv": base.staged_gemv},
                            "layer_copies": LAYER_COPIES, "chain": CHAIN}  # fmt: skip
+    RESULTS["layer"] = res  # saved row by row
     two, persistent = _two_launches(base), _persistent(on)
     dense = [(dequantize_int4(g, torch.bfloat16), dequantize_int4(d, torch.bfloat16), n) for g, d, n in layers]
     for case, residual in (("seed407m_prenorm", True), ("ouro_shape_sandwich", False)):
@@ -216,22 +220,28 @@ def layer_section(quick: bool) -> dict[str, Any]:
             res[key] = row
             print(key, {k: v for k, v in row.items() if not k.endswith("error")}, flush=True)
             save()
-    if not quick:
-        from tinyloop.kernels.policy import PersistentMlpTile
-
-        x = torch.randn(1, D_MODEL, device="cuda", generator=gen).bfloat16()
-        sweep = {}
-        for tile in TILE_SWEEP:
-            tiled = dataclasses.replace(on, persistent_mlp_tiles={(D_MODEL, FFN, 1): PersistentMlpTile(*tile)})
-            try:
-                mlp = _persistent(tiled)
-                sweep[str(tile)] = {"us": _chain_us(mlp, layers, x, True),
-                                    **_check(mlp, two, layers[0], x, True)}  # fmt: skip
-            except Exception:
-                sweep[str(tile)] = {"error": traceback.format_exc()[-2000:]}
-            print("tile", tile, sweep[str(tile)], flush=True)
-        res["seed407m_prenorm_rows1_tiles"] = sweep
     return res
+
+
+def tiles_section() -> dict[str, Any]:
+    """seed-407m's layer at one row with the residual under each tile of TILE_SWEEP."""
+    from tinyloop.kernels.policy import PersistentMlpTile
+
+    base, on = _policies()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers = _layers(gen)
+    two = _two_launches(base)
+    x = torch.randn(1, D_MODEL, device="cuda", generator=gen).bfloat16()
+    sweep: dict[str, Any] = {"two_launches_us": _chain_us(two, layers, x, True)}
+    for tile in TILE_SWEEP:
+        tiled = dataclasses.replace(on, persistent_mlp_tiles={(D_MODEL, FFN, 1): PersistentMlpTile(*tile)})
+        try:
+            mlp = _persistent(tiled)
+            sweep[str(tile)] = {"us": _chain_us(mlp, layers, x, True), **_check(mlp, two, layers[0], x, True)}
+        except Exception:
+            sweep[str(tile)] = {"error": traceback.format_exc()[-2000:]}
+        print("tile", tile, sweep[str(tile)], flush=True)
+    return sweep
 
 
 def canary() -> None:
@@ -247,7 +257,7 @@ def canary() -> None:
     print("canary ok")
 
 
-def canary_section(timeout: float = 420) -> dict[str, Any]:
+def canary_section(timeout: float = 300) -> dict[str, Any]:
     t = time.perf_counter()
     try:
         done = subprocess.run([sys.executable, __file__, "--canary"], capture_output=True, text=True, timeout=timeout)
@@ -367,29 +377,36 @@ def main() -> None:
     global OUT
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=str(OUT), help="the JSON file to write")
-    ap.add_argument("--quick", action="store_true", help="one row count, no tile sweep")
-    ap.add_argument("--ouro-decode", action="store_true", help="also decode the Ouro-1.4B shape (writes 1.4B weights)")
+    ap.add_argument("--quick", action="store_true", help="one row count in the layer section")
+    ap.add_argument("--only", nargs="+", choices=SECTIONS, default=SECTIONS[:-1],
+                    help="sections to run after the canary (default: all but ouro_decode)")  # fmt: skip
     ap.add_argument("--canary", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench/persistent_mlp.py: no CUDA device visible to torch; run it on the GPU machine")
     if args.canary:
         canary()
         return
     OUT = Path(args.out)
     # seed-407m's random weights are written while the kernels compile and run (the converter writes atomically).
     writer = None
-    if not Path(SEED_PATH).exists():
+    if "decode" in args.only and not Path(SEED_PATH).exists():
         writer = subprocess.Popen([sys.executable, "-m", "tinyloop.cli.convert", "--random", "--preset", "seed-407m",
                                    "-o", SEED_PATH, "--bits", "4", "--quiet"])  # fmt: skip
     section("env", env_section)
     section("canary", canary_section)
     persistent_ok = bool(RESULTS.get("canary", {}).get("ok"))
-    if persistent_ok:
+    if persistent_ok and "layer" in args.only:
         section("layer", lambda: layer_section(args.quick))
     if writer is not None:
         writer.wait()
-    section("decode_seed407m", lambda: decode_section("seed-407m", SEED_PATH, 8, persistent_ok))
-    section("builtin", lambda: builtin_section(persistent_ok))
-    if args.ouro_decode:
+    if "decode" in args.only:
+        section("decode_seed407m", lambda: decode_section("seed-407m", SEED_PATH, 8, persistent_ok))
+    if "builtin" in args.only:
+        section("builtin", lambda: builtin_section(persistent_ok))
+    if persistent_ok and "tiles" in args.only:
+        section("tiles", tiles_section)
+    if "ouro_decode" in args.only:
         section("decode_ouro_shape", lambda: decode_section("ouro-1.4b-shape", OURO_PATH, 4, persistent_ok))
     print(json.dumps({k: v for k, v in RESULTS.items() if k != "layer"}, indent=1)[:6000])
 
