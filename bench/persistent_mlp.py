@@ -50,10 +50,11 @@ SEED_PATH = "/tmp/seed-407m.tinyloop"
 OURO_PATH = "/tmp/ouro-1.4b-shape.tinyloop"
 D_MODEL, FFN, GROUP, EPS = 2048, 5632, 64, 1e-6
 LAYER_COPIES, CHAIN = 8, 64
-# (gate / up rows, blocks per step, K slice, down rows, warps): the default first.
 SECTIONS = ["layer", "decode", "builtin", "tiles", "ouro_decode"]
+# (gate / up rows, blocks per step, K slice, down rows, warps[, programs per SM]): the default first.
 TILE_SWEEP = [(32, 8, 256, 128, 8), (16, 8, 256, 128, 4), (32, 8, 128, 256, 8), (64, 4, 256, 64, 8),
-              (32, 8, 256, 64, 4)]  # fmt: skip
+              (32, 8, 256, 64, 4), (32, 8, 256, 128, 4, 2), (16, 8, 256, 128, 4, 3),
+              (16, 4, 256, 64, 4, 4)]  # fmt: skip
 
 
 def save() -> None:
@@ -241,6 +242,9 @@ def tiles_section() -> dict[str, Any]:
         except Exception:
             sweep[str(tile)] = {"error": traceback.format_exc()[-2000:]}
         print("tile", tile, sweep[str(tile)], flush=True)
+    from tinyloop.kernels import persistent_mlp
+
+    sweep["programs_one_sm_holds"] = {str(k): v for k, v in persistent_mlp._RESIDENT.items()}
     return sweep
 
 

@@ -137,3 +137,27 @@ def test_where_the_persistent_kernel_applies() -> None:
 def test_the_environment_switches_it(value: str, on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TINYLOOP_PERSISTENT_DECODE", value)
     assert cuda_backend.kernel_policy(RuntimeEnv.read()).persistent_decode == on
+
+
+def test_programs_per_sm_are_capped_at_what_one_sm_holds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More than one program per SM only as far as the compiled kernel's registers, threads and shared memory let
+    them all be resident; one per SM where the kernel cannot be inspected."""
+    from types import SimpleNamespace
+
+    compiled = SimpleNamespace(n_regs=121, metadata=SimpleNamespace(shared=50_000), _init_handles=lambda: None)
+    kernel = SimpleNamespace(warmup=lambda *a, **k: compiled)
+    props = SimpleNamespace(regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048,
+                            shared_memory_per_multiprocessor=233_472)  # fmt: skip
+    monkeypatch.setattr(persistent_mlp, "_persistent_mlp_kernel", kernel)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    monkeypatch.setattr(persistent_mlp, "_RESIDENT", {})
+    x = torch.zeros(1, 8)
+    # 128 registers x 256 threads: 2 by registers; 8 by threads; 4 by shared memory
+    assert persistent_mlp._resident_per_sm((x,), {"num_warps": 8, "ROWS": 1}, 0) == 2
+    compiled.metadata.shared = 100_000  # 2 by shared memory
+    assert persistent_mlp._resident_per_sm((x,), {"num_warps": 4, "ROWS": 1}, 0) == 2
+    said: list[str] = []
+    monkeypatch.setattr(persistent_mlp, "info", said.append)
+    monkeypatch.setattr(kernel, "warmup", lambda *a, **k: 1 / 0)
+    assert persistent_mlp._resident_per_sm((x,), {"num_warps": 2, "ROWS": 1}, 0) == 1
+    assert said and "one program per SM" in said[0]

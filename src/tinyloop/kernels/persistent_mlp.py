@@ -1,23 +1,26 @@
 """Launcher of the persistent MLP kernel (kernels/triton_persistent_mlp.py): which steps it takes, its tiles,
 its scratch, and how many programs run.
 
-How many programs: one per SM. Items wait (spin) on items with smaller tickets, and a ticket is only taken by
-a program that is running, so every wait is on an item some resident program is working on: progress does not
-depend on how many programs fit. One per SM keeps it that way anyway (a launch whose one program does not fit
-an SM fails instead of hanging) and leaves room for the next kernel of the chain to start its prologue under
-programmatic dependent launch. Under Triton's interpreter (the CPU tests) two programs run one after the
-other: the first takes every item (and never waits), the second finds none and resets the counters.
+How many programs: one per SM by default (`PersistentMlpTile.programs_per_sm` more, capped at what the compiled
+kernel's registers, shared memory and warps let one SM hold). Items wait (spin) on items with smaller tickets, and
+a ticket is only taken by a program that is running, so every wait is on an item some resident program is working
+on: progress does not depend on how many programs fit. The cap keeps every program resident anyway (a launch
+whose one program does not fit an SM fails instead of hanging). Under Triton's interpreter (the CPU tests) two
+programs run one after the other: the first takes every item (and never waits), the second finds none and resets
+the counters.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
 
 from tinyloop.kernels.policy import KernelPolicy, PersistentMlpTile
 from tinyloop.kernels.triton_persistent_mlp import READY, _persistent_mlp_kernel
+from tinyloop.log import info
 from tinyloop.quant import BlockedInt4Weight
 
 INTERPRETER_PROGRAMS = 2
@@ -30,6 +33,33 @@ _SCRATCH: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tenso
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+# (device index, compile-time arguments) -> how many programs of that compiled kernel one SM holds
+_RESIDENT: dict[tuple[object, ...], int] = {}
+
+
+def _resident_per_sm(args: tuple, options: dict[str, Any], device_index: int) -> int:
+    """Programs of the compiled kernel that fit one SM at once (registers, shared memory, threads); 1 where the
+    compiled kernel cannot be inspected (then one per SM, which any launchable kernel fits)."""
+    key = (device_index, args[0].dtype, *sorted(options.items()))
+    if key not in _RESIDENT:
+        try:
+            compiled = _persistent_mlp_kernel.warmup(*args, grid=(1,), **options)
+            compiled._init_handles()
+            props = torch.cuda.get_device_properties(device_index)
+            threads = 32 * options["num_warps"]
+            regs = -(-max(int(compiled.n_regs), 1) // 8) * 8 * threads  # allocated 8 per thread at a time
+            register_file = getattr(props, "regs_per_multiprocessor", 65536)  # 64K 32-bit registers on Volta to Hopper
+            fits = [register_file // regs, props.max_threads_per_multi_processor // threads]
+            shared = int(compiled.metadata.shared)
+            if shared:
+                fits.append(props.shared_memory_per_multiprocessor // shared)
+            _RESIDENT[key] = max(1, min(fits))
+        except Exception as exc:  # an inspection this Triton or torch does not offer: the safe count
+            info(f"persistent MLP kernel: occupancy unknown ({type(exc).__name__}: {exc}); one program per SM")
+            _RESIDENT[key] = 1
+    return _RESIDENT[key]
 
 
 def persistent_mlp_applies(policy: KernelPolicy, x: torch.Tensor, gate_up: object, down: object) -> bool:
@@ -89,14 +119,21 @@ def persistent_mlp(
     res = residual if residual is not None else out
     h, acc, sync = _scratch(x, F, tile)
     n_items = triton.cdiv(F, tile.gate_up_rows) + (F // tile.slice) * triton.cdiv(D, tile.down_rows)
-    programs = _sm_count(x.device.index or 0) if x.is_cuda else INTERPRETER_PROGRAMS
-    programs = min(programs, n_items)
-    _persistent_mlp_kernel[(programs,)](
-        x, norm_weight, gate_up.packed.view(torch.int32), gate_up.scale, gate_up.minimum,
-        down.packed.view(torch.int32), down.scale, down.minimum, h, acc, out, res, sync,
-        M, F, D, eps, x.stride(0), h.stride(0), out.stride(0), res.stride(0), programs,
+    args = (x, norm_weight, gate_up.packed.view(torch.int32), gate_up.scale, gate_up.minimum,
+            down.packed.view(torch.int32), down.scale, down.minimum, h, acc, out, res, sync,
+            M, F, D, eps, x.stride(0), h.stride(0), out.stride(0), res.stride(0))  # fmt: skip
+    options: dict[str, Any] = dict(
         GROUP=down.group_size, BLOCK=down.block, RESIDUAL=residual is not None, ROWS=triton.next_power_of_2(M),
         GU_N=tile.gate_up_rows, GU_B=tile.gate_up_blocks, SLICE=tile.slice, DN_N=tile.down_rows,
         num_warps=tile.warps, **policy.pdl_options(),
     )  # fmt: skip
+    if x.is_cuda:
+        index = x.device.index or 0
+        per_sm = tile.programs_per_sm
+        if per_sm > 1:
+            per_sm = min(per_sm, _resident_per_sm((*args, n_items), options, index))
+        programs = min(n_items, per_sm * _sm_count(index))
+    else:
+        programs = min(n_items, INTERPRETER_PROGRAMS)
+    _persistent_mlp_kernel[(programs,)](*args, programs, **options)
     return out

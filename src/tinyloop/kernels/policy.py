@@ -21,13 +21,14 @@ Shape = tuple[int, int, int]  # (N, K, rows) or (N, K, act)
 class PersistentMlpTile(NamedTuple):
     """Work items of the persistent MLP kernel (kernels/triton_persistent_mlp.py): ffn features per gate / up
     item and 64-column blocks per step of its loop over d_model; the down projection's K slice (ffn features)
-    and output rows per down item; warps per program."""
+    and output rows per down item; warps per program, and programs per SM (at most what fits one SM)."""
 
     gate_up_rows: int
     gate_up_blocks: int
     slice: int
     down_rows: int
     warps: int
+    programs_per_sm: int = 1
 
 
 @dataclass(frozen=True)
