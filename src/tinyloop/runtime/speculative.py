@@ -37,8 +37,10 @@ from tinyloop.runtime.spec_costs import LayerCosts, StepCosts
 from tinyloop.runtime.spec_policy import DraftPolicy
 from tinyloop.sampling import SamplingParams
 
-# The adaptive policy's first estimate of the acceptance rate comes from the prefill when its logits at
-# every prompt position (prompt length x vocabulary) stay within this many values; else from a probe round.
+# The adaptive policy's first estimate of the acceptance rate comes from the prefill of the prompt's last
+# PREFILL_ESTIMATE_POSITIONS positions (the policy weighs it as at most that many tokens) when their logits
+# (positions x vocabulary) stay within PREFILL_ESTIMATE_LOGITS values; else from a probe round.
+PREFILL_ESTIMATE_POSITIONS = 8
 PREFILL_ESTIMATE_LOGITS = 1 << 22
 
 
@@ -164,9 +166,12 @@ def _rounds(
     t = time.perf_counter()
     cache.truncate(0)
     ids = prompt.to(torch.long).view(1, -1)
-    if spec.adaptive and ids.shape[1] * engine.cfg.vocab_size <= PREFILL_ESTIMATE_LOGITS:
-        last, agreement = _split_prefill(engine, cache, ids, spec, picker.params)
-        policy.prime(agreement, ids.shape[1])
+    split = min(ids.shape[1], PREFILL_ESTIMATE_POSITIONS)
+    if spec.adaptive and split * engine.cfg.vocab_size <= PREFILL_ESTIMATE_LOGITS:
+        if split < ids.shape[1]:
+            engine.step(ids[:, :-split], cache, spec.verify_loops, last_only=True)
+        last, agreement = _split_prefill(engine, cache, ids[:, -split:], spec, picker.params)
+        policy.prime(agreement, split)
         stats.prompt_agreement = agreement
     else:
         logits = engine.step(ids, cache, spec.verify_loops, last_only=True).logits
@@ -219,16 +224,17 @@ def _rounds(
 def _split_prefill(
     engine: Engine, cache: StepCache, ids: torch.Tensor, spec: SpecConfig, params: SamplingParams
 ) -> tuple[torch.Tensor, float]:
-    """The prefill in two passes, draft_loops then the rest resumed from the drafted state (the cache ends
-    as after a plain prefill, exactly as verification leaves it), giving both depths' predictions at every
-    prompt position for free but a coda and head pass. Returns the last position's logits at verify
-    depth and how often the two depths agree over the prompt: the rate at which drafts would be accepted
-    there (greedy: same argmax; sampling: the overlap sum(min(p, q)) of the tempered distributions)."""
+    """The prefill of `ids` (after what the cache holds) in two passes, draft_loops then the rest resumed
+    from the drafted state (the cache ends as after a plain prefill, exactly as verification leaves it),
+    giving both depths' predictions at these positions for a coda and head pass more. Returns the last
+    position's logits at verify depth and how often the two depths agree there: the rate at which drafts
+    would be accepted (greedy: same argmax; sampling: the overlap sum(min(p, q)) of the tempered
+    distributions)."""
+    start = cache.lengths.clone()
     draft = engine.step(ids, cache, spec.draft_loops)
     assert draft.logits is not None and draft.loop_state is not None and draft.prelude_out is not None
     resume = (draft.loop_state, draft.prelude_out)
-    full = engine.step(ids, cache, spec.verify_loops, start=torch.zeros(1, dtype=torch.long), resume=resume,
-                       start_loop=spec.draft_loops).logits  # fmt: skip
+    full = engine.step(ids, cache, spec.verify_loops, start=start, resume=resume, start_loop=spec.draft_loops).logits
     assert full is not None
     q, p = draft.logits[0].float(), full[0].float()
     if params.temperature == 0.0:
