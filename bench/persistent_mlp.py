@@ -54,7 +54,7 @@ SECTIONS = ["layer", "decode", "builtin", "tiles", "ouro_decode"]
 # (gate / up rows, blocks per step, K slice, down rows, warps[, programs per SM]): the default first.
 TILE_SWEEP = [(32, 8, 256, 128, 8), (16, 8, 256, 128, 4), (32, 8, 128, 256, 8), (64, 4, 256, 64, 8),
               (32, 8, 256, 64, 4), (32, 8, 256, 128, 4, 2), (16, 8, 256, 128, 4, 3),
-              (16, 4, 256, 64, 4, 4)]  # fmt: skip
+              (16, 4, 256, 64, 4, 4), (16, 4, 256, 32, 8), (16, 4, 256, 32, 8, 2)]  # fmt: skip
 
 
 def save() -> None:

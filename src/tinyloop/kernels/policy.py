@@ -164,8 +164,10 @@ class KernelPolicy:
 
     def persistent_mlp_tile(self, d: int, f: int, rows: int, group: int) -> PersistentMlpTile | None:
         """The persistent MLP kernel's items for d_model `d`, ffn `f`, `rows` rows and INT4 groups of `group`
-        columns; None where no K slice divides the ffn. Untuned: K slices of 256 features (22 on seed-407m) and
-        down items of 128 output rows (16), so 528 items for 132 SMs; halved tiles for 2-4 rows (registers)."""
+        columns; None where no K slice divides the ffn. Untuned: K slices of 256 features (22 on seed-407m); one
+        row: gate / up items of 32 features, down items of 128 output rows (528 items for 132 SMs); 2-4 rows: 8
+        and 32, the largest that compiled without spilling at 4 rows (sm_90a, offline: 204 registers; one row's
+        tile takes 255 without spilling, so one 8-warp program per SM)."""
         if (d, f, rows) in self.persistent_mlp_tiles:
             return self.persistent_mlp_tiles[(d, f, rows)]
         block = min(group, 64)
@@ -173,9 +175,10 @@ class KernelPolicy:
         if not slices or d % block:
             return None
         one = rows == 1
-        gate_up_rows = min(32 if one else 16, slices[0])
+        gate_up_rows = min(32 if one else 8, slices[0])
         blocks = min(8 if one else 4, 1 << (d // block - 1).bit_length())
-        return PersistentMlpTile(gate_up_rows, blocks, slices[0], min(128 if one else 64, 1 << (d - 1).bit_length()), 8)
+        down_rows = min(128 if one else 32, 1 << (d - 1).bit_length())
+        return PersistentMlpTile(gate_up_rows, blocks, slices[0], down_rows, 8)
 
     def attention_block(self, head_dim: int) -> tuple[int, int]:
         return self.attention_tile if head_dim >= 128 else self.narrow_head_attention_tile
