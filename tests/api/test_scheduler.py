@@ -223,7 +223,7 @@ def test_a_failing_request_ends_alone(models, monkeypatch) -> None:
     s.step()
     req = next(r for r in s._rows if r is not None and r.handle is bad)
 
-    def fail(logits: torch.Tensor, greedy_token: int | None = None) -> int:
+    def fail(logits: torch.Tensor, prepared: object = None) -> int:
         raise NonFiniteLogitsError()
 
     monkeypatch.setattr(req.row.picker, "pick", fail)

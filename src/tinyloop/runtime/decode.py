@@ -31,7 +31,13 @@ from tinyloop.cache.kv import KVCache
 from tinyloop.runtime.adaptive_exit import ExitCriterion, adaptive_rows_step
 from tinyloop.runtime.depth_schedule import DepthSchedule, fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
-from tinyloop.runtime.sampling import TokenPicker, argmax_and_flagged, argmax_or_flag, token_logprob
+from tinyloop.runtime.sampling import (
+    TokenPicker,
+    argmax_and_flagged,
+    argmax_or_flag,
+    filtered_probs_rows,
+    token_logprob,
+)
 from tinyloop.runtime.stats import GenerationStats
 
 
@@ -202,28 +208,41 @@ def begin(row: Row) -> None:
 
 def pick_tokens(rows: Sequence[Row | None], logits: torch.Tensor) -> Iterator[tuple[int, int]]:
     """Sample each live row's next token from logits [B, V] (row b from logits[b]); yield (b, token)."""
-    greedy = greedy_picks(rows, logits)
+    prepared = prepared_picks(rows, logits)
     for b, row in enumerate(rows):
         if row is not None and not row.done:
-            token = pick_token(row, logits[b], greedy.get(b))
+            token = pick_token(row, logits[b], prepared.get(b))
             if token is not None:
                 yield b, token
 
 
-def greedy_picks(rows: Sequence[Row | None], logits: torch.Tensor) -> dict[int, int]:
-    """The argmax (-1: non-finite) of every live plain-greedy row's logits, in one device computation and
-    one readback instead of a few synchronising kernels per row."""
-    chosen = [b for b, row in enumerate(rows) if row is not None and not row.done and row.picker.plain_greedy]
-    if not chosen:
-        return {}
-    picked = logits if len(chosen) == logits.shape[0] else logits[torch.tensor(chosen, device=logits.device)]
-    return dict(zip(chosen, argmax_or_flag(picked).tolist(), strict=True))
+def prepared_picks(
+    rows: Sequence[Row | None], logits: torch.Tensor, *, sampled_in_batch: bool | None = None
+) -> dict[int, int | torch.Tensor]:
+    """What the live rows' pickers need from the device, computed for the batch at once instead of a few
+    synchronising launches per row: plain-greedy rows' argmax; on a GPU, plain sampled rows' distributions
+    (one transfer; the host only draws from them; `sampled_in_batch` says otherwise). -1 where a row's logits
+    are non-finite."""
+    live = [(b, row.picker) for b, row in enumerate(rows) if row is not None and not row.done]
+    greedy = [b for b, picker in live if picker.plain_greedy]
+    prepared: dict[int, int | torch.Tensor] = {}
+    if greedy:
+        picked = logits if len(greedy) == logits.shape[0] else logits[torch.tensor(greedy, device=logits.device)]
+        prepared.update(zip(greedy, argmax_or_flag(picked).tolist(), strict=True))
+    in_batch = logits.is_cuda if sampled_in_batch is None else sampled_in_batch
+    sampled = [(b, picker.params) for b, picker in live if picker.plain_sampled] if in_batch else []
+    if sampled:
+        picked = logits[torch.tensor([b for b, _ in sampled], device=logits.device)]
+        bad = (torch.isnan(picked).any(-1) | torch.isposinf(picked).any(-1)).tolist()
+        probs = filtered_probs_rows(picked, [(p.temperature, p.top_k, p.top_p) for _, p in sampled]).cpu()
+        prepared.update((b, -1 if bad[i] else probs[i]) for i, (b, _) in enumerate(sampled))
+    return prepared
 
 
-def pick_token(row: Row, logits: torch.Tensor, greedy_token: int | None = None) -> int | None:
+def pick_token(row: Row, logits: torch.Tensor, prepared: int | torch.Tensor | None = None) -> int | None:
     """Row's next token from its logits [V] (None: the row finished without one), with its bookkeeping.
-    greedy_token: its argmax from `greedy_picks`, if taken."""
-    token = record_token(row, row.picker.pick(logits, greedy_token))
+    prepared: its part of `prepared_picks`, if taken."""
+    token = record_token(row, row.picker.pick(logits, prepared))
     if token is not None and row.picker.params.logprobs is not None:
         row.stats.logprobs.append(token_logprob(logits, token, row.picker.params.logprobs))
     return token

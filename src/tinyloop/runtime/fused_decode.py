@@ -172,7 +172,9 @@ class FusedDecoder:
             self._drop_share()
         if resume is not None:
             resume = (resume[0].to(dev, self.engine.dtype), resume[1].to(dev, self.engine.dtype))
-        if not self.graphs_enabled:
+        if not self.graphs_enabled or T > FUSED_ATTENTION_MAX_TOKENS:
+            # Prefill-sized steps run eagerly: their launches are few against their work, and a continuous
+            # batcher's prompt chunks come in ever new lengths, whose captures would evict the decode graphs.
             return self._forward(tokens.to(dev), positions.to(dev), cache, loops, last_only, resume, start_loop)
         key = (B, T, loops, int(last_only), start_loop, int(resume is not None), cache.k.data_ptr(), *cache.k.shape)
         entry = self._graphs.get(key)

@@ -4,6 +4,7 @@ picker that applies its grammar and stop tokens."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -60,16 +61,30 @@ def token_logprob(logits: torch.Tensor, token: int, top: int) -> TokenLogprob:
 
 def filtered_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """The distribution `sample_next` draws from (temperature > 0): float64 [V] on the CPU."""
-    scores = logits.double().cpu() / temperature
-    if 0 < top_k < scores.numel():
-        kth = torch.topk(scores, top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
+    return filtered_probs_rows(logits.view(1, -1).cpu(), [(temperature, top_k, top_p)])[0]
+
+
+def filtered_probs_rows(logits: torch.Tensor, settings: Sequence[tuple[float, int, float]]) -> torch.Tensor:
+    """Each row's sampling distribution, float64 [B, V] where the logits [B, V] are, under its (temperature > 0,
+    top_k, top_p): a GPU batch filters all its sampled rows in a few launches and one transfer."""
+    dev = logits.device
+    scores = logits.double() / torch.tensor([t for t, _, _ in settings], dtype=torch.float64, device=dev)[:, None]
+    vocab = scores.shape[-1]
+    ks = [k if 0 < k < vocab else 0 for _, k, _ in settings]
+    if any(ks):
+        top = torch.topk(scores, max(ks), dim=-1).values
+        kth = top.gather(1, torch.tensor([max(k - 1, 0) for k in ks], device=dev)[:, None])
+        unfiltered = torch.tensor([k == 0 for k in ks], device=dev)[:, None]
+        scores = scores.masked_fill(~unfiltered & (scores < kth), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
+    nucleus = [b for b, (_, _, p) in enumerate(settings) if p < 1.0]
+    if nucleus:
+        rows = torch.tensor(nucleus, device=dev)
+        top_p = torch.tensor([settings[b][2] for b in nucleus], dtype=torch.float64, device=dev)[:, None]
+        sorted_probs, order = torch.sort(probs[rows], descending=True, dim=-1)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        probs[rows] = torch.zeros_like(sorted_probs).scatter_(1, order, sorted_probs)
     return probs
 
 
@@ -110,12 +125,21 @@ class TokenPicker:
         at once (`argmax_or_flag`) and hand to `pick`."""
         return self.grammar is None and self.params.temperature == 0.0
 
-    def pick(self, logits: torch.Tensor, greedy_token: int | None = None) -> int | None:
-        """The next token, or None when a stop token was sampled. greedy_token: for a `plain_greedy` picker,
-        the logits' argmax computed with the batch's (-1: they were non-finite)."""
+    @property
+    def plain_sampled(self) -> bool:
+        """Sampled without a grammar: its distribution (`filtered_probs_rows`) can be computed with a batch's
+        and handed to `pick`."""
+        return self.grammar is None and self.params.temperature > 0.0
+
+    def pick(self, logits: torch.Tensor, prepared: int | torch.Tensor | None = None) -> int | None:
+        """The next token, or None when a stop token was sampled. prepared: what a batch computed for a plain
+        picker (decode.prepared_picks): the argmax of a greedy one, the distribution of a sampled one, or -1
+        where the logits were non-finite."""
         p = self.params
-        if greedy_token is not None and self.plain_greedy:
-            return self.take(greedy_token)
+        if isinstance(prepared, torch.Tensor) and self.plain_sampled:
+            return self.take(int(torch.multinomial(prepared, 1, generator=self.gen)))
+        if isinstance(prepared, int) and (self.plain_greedy or self.plain_sampled):
+            return self.take(prepared)
         return self.take(sample_next(self.constrain(logits), p.temperature, p.top_k, p.top_p, self.gen))
 
     def take(self, token: int) -> int | None:

@@ -29,7 +29,7 @@ import torch
 from tinyloop.cache.base import ModeCache, copy_out
 from tinyloop.cache.pool import PrefixPool, content_key
 from tinyloop.errors import QueueFullError
-from tinyloop.runtime.decode import Row, begin, decode_step, greedy_picks, pick_token
+from tinyloop.runtime.decode import Row, begin, decode_step, pick_token, prepared_picks
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.requests import Request, RequestHandle
 
@@ -361,12 +361,12 @@ class SlotScheduler:
             self._counts["decode_steps"] += 1
             self._counts["decode_rows"] += len(live)
             self._counts["decode_iterations"] += max(rows[b].step_depths[-1] for b in live)  # type: ignore[union-attr]
-        greedy = greedy_picks(rows, logits)
+        prepared = prepared_picks(rows, logits)
         for b, req in enumerate(self._rows[:n]):
             if req is None or req.row.done or rows[b] is None:
                 continue
             try:
-                token = pick_token(req.row, logits[b], greedy.get(b))
+                token = pick_token(req.row, logits[b], prepared.get(b))
             except Exception as exc:
                 self._fail(req, exc)
                 continue
