@@ -37,11 +37,9 @@ from tinyloop.runtime.spec_costs import LayerCosts, StepCosts
 from tinyloop.runtime.spec_policy import DraftPolicy
 from tinyloop.sampling import SamplingParams
 
-# A policy deciding by the prior takes its first estimate of the acceptance rate from the prefill of the
-# prompt's last PREFILL_ESTIMATE_POSITIONS positions (it weighs it as at most that many tokens) when their
-# logits (positions x vocabulary) stay within PREFILL_ESTIMATE_LOGITS values; else, and where the policy
-# learns the costs, from a probe round. The split prefill takes two more multi-token steps, which on the CPU
-# cost more than a probe (~20 ms each on a 2-core VM, against a 12 ms plain step).
+# The adaptive policy's first estimate of the acceptance rate comes from the prefill of the prompt's last
+# PREFILL_ESTIMATE_POSITIONS positions (the policy weighs it as at most that many tokens) when their logits
+# (positions x vocabulary) stay within PREFILL_ESTIMATE_LOGITS values; else from a probe round.
 PREFILL_ESTIMATE_POSITIONS = 8
 PREFILL_ESTIMATE_LOGITS = 1 << 22
 
@@ -169,7 +167,7 @@ def _rounds(
     cache.truncate(0)
     ids = prompt.to(torch.long).view(1, -1)
     split = min(ids.shape[1], PREFILL_ESTIMATE_POSITIONS)
-    if spec.adaptive and not policy.costs.learn and split * engine.cfg.vocab_size <= PREFILL_ESTIMATE_LOGITS:
+    if spec.adaptive and split * engine.cfg.vocab_size <= PREFILL_ESTIMATE_LOGITS:
         if split < ids.shape[1]:
             engine.step(ids[:, :-split], cache, spec.verify_loops, last_only=True)
         last, agreement = _split_prefill(engine, cache, ids[:, -split:], spec, picker.params)
