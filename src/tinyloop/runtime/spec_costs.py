@@ -43,7 +43,7 @@ PLAIN_PRIOR_SAMPLES = 2
 
 
 class _Samples:
-    """The last SAMPLES_KEPT times of one kind of step."""
+    """The last SAMPLES_KEPT samples (times or ratios of times) of one kind of step, and their median."""
 
     def __init__(self) -> None:
         self.recent: deque[float] = deque(maxlen=SAMPLES_KEPT)
@@ -122,7 +122,7 @@ class StepCosts:
 
     def add_round(self, draft_steps: int, draft_seconds: float, rows: int, verify_seconds: float) -> None:
         """A round's timings: `draft_steps` draft steps, then a verify pass over `rows` positions."""
-        if not self.learn or draft_steps <= 0:
+        if not self.learn or draft_steps <= 0 or draft_seconds <= 0.0:  # a clock too coarse to time it
             return
         step = draft_seconds / draft_steps
         self._draft.add(step)
