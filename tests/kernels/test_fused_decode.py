@@ -122,8 +122,9 @@ def test_fused_prefill_from_empty_cache_matches_generic(variant: str) -> None:
     matrices = [*([] if w.adapter is None else [w.adapter]), *(m for lw in layers for m in lw.matrices()), w.head]
     int4 = [m for m in matrices if isinstance(m, Int4Weight)]
     assert int4 and decoder.dense_copy_bytes == sum(4 * m.shape[0] * m.shape[1] for m in int4)  # float32 copies
-    copies = decoder.dense_copies(20)
-    assert decoder.dense_copies(1) == {} and all(id(m) in copies for m in int4)
+    copies = decoder.dense_copies(1, 20)
+    assert all(id(m) in copies for m in int4) and decoder.dense_copies(2, 1) is copies
+    assert decoder.dense_copies(1, 1) == {} and decoder.dense_copies(1, fused.kernel_policy.blocked_gemm_max_rows) == {}
     again = fused.step(tokens, fused.new_cache(1, 24, 2), 2).logits
     assert torch.equal(again, outs[0])
     decoder.release()
@@ -217,17 +218,17 @@ def test_graphs_of_cublas_sized_steps_take_no_l2_window() -> None:
     decoder = fused.decoder
     assert isinstance(decoder, FusedDecoder)
     fused.l2_window = window
-    assert decoder._graph_window(1) is window
-    assert decoder._graph_window(fused.kernel_policy.dense_copy_min_rows) is None
+    assert decoder._graph_window(1, 1) is window and decoder._graph_window(1, 9) is window  # a verification
+    assert decoder._graph_window(fused.kernel_policy.dense_copy_min_rows, 1) is None
     _, _, no_copies, _ = build("interleaved-qkbias-add", dense_copy_min_rows=0)
     no_copies.l2_window = window
     assert isinstance(no_copies.decoder, FusedDecoder)
     largest_int4_step = no_copies.kernel_policy.blocked_gemm_max_rows
-    assert no_copies.decoder._graph_window(largest_int4_step) is window
-    assert no_copies.decoder._graph_window(largest_int4_step + 1) is None
+    assert no_copies.decoder._graph_window(1, largest_int4_step) is window
+    assert no_copies.decoder._graph_window(1, largest_int4_step + 1) is None
     _, _, no_cublas, _ = build("interleaved-qkbias-add", cublas_16bit=False)
     no_cublas.l2_window = window
-    assert isinstance(no_cublas.decoder, FusedDecoder) and no_cublas.decoder._graph_window(1024) is window
+    assert isinstance(no_cublas.decoder, FusedDecoder) and no_cublas.decoder._graph_window(1, 1024) is window
 
 
 @pytest.mark.parametrize("mode", ["given up", "switched off", "driver error", "no window"])

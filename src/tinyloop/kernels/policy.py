@@ -67,10 +67,10 @@ class KernelPolicy:
     # 16-bit weights: products of more rows than this go to cuBLAS (flat in the row count on an H100, where
     # the Triton GEMV of 2-4 rows costs ~2x per row).
     matvec_16bit_max_rows: int = 1
-    # Steps of at least this many rows (batched decode, prefill) multiply 16-bit copies of the model's INT4
-    # matrices through cuBLAS, made on the first such step and kept while the engine lives (where they fit
-    # the decoder's memory budget); 0: never. H100, seed-407m: the 2-16-row INT4 kernels cost 2.5-4.5x a
-    # one-row step, cuBLAS on the copies ~1.5x (docs/BENCHMARKS.md).
+    # Steps of at least this many sequences (batched decode), and prefill-sized ones, multiply 16-bit copies of
+    # the model's INT4 matrices through cuBLAS, made on the first such step and kept while the engine lives
+    # (where they fit the decoder's memory budget); 0: never. H100, seed-407m: a 2-16-row step on the INT4
+    # kernels cost 3.2-5.2x a one-row step, on the copies 1.9-2.4x (docs/BENCHMARKS.md).
     dense_copy_min_rows: int = 2
     # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
     splitk_programs: int = 264

@@ -168,7 +168,7 @@ class FusedDecoder:
             return None
         positions = (begin[:, None] + torch.arange(T)[None, :]).reshape(-1)
         dev = self.engine.device
-        if l2_residency.SHARE_OFF_DURING_PREFILL and self._rows_on_cublas(B * T):
+        if l2_residency.SHARE_OFF_DURING_PREFILL and self._rows_on_cublas(B, T):
             self._drop_share()
         if resume is not None:
             resume = (resume[0].to(dev, self.engine.dtype), resume[1].to(dev, self.engine.dtype))
@@ -213,11 +213,14 @@ class FusedDecoder:
         self._dense_copies = {}
         self.dense_copy_bytes = 0
 
-    def dense_copies(self, rows: int) -> dict[int, torch.Tensor]:
-        """The 16-bit copies a step of `rows` rows multiplies instead of the INT4 matrices (by id), made on
-        first use; empty where the policy or the memory budget says the INT4 kernels."""
-        min_rows = self.kernels.policy.dense_copy_min_rows
-        if not (min_rows and rows >= min_rows and self._dense_copies_fit and self.kernels.policy.cublas_16bit):
+    def dense_copies(self, batch: int, tokens: int) -> dict[int, torch.Tensor]:
+        """The 16-bit copies a step of `batch` sequences x `tokens` tokens multiplies instead of the INT4
+        matrices (by id), made on first use; empty where the policy or the memory budget says the INT4 kernels.
+        A single sequence's few-token steps (speculative verification) keep the INT4 kernels: their weights
+        are the one-token step's, not rounded to 16 bits, so verification agrees with plain decoding."""
+        policy = self.kernels.policy
+        many = batch >= policy.dense_copy_min_rows or policy.int4_rows_on_cublas(batch * tokens)
+        if not (policy.dense_copy_min_rows and many and self._dense_copies_fit and policy.cublas_16bit):
             return {}
         if not self._dense_copies:
             copies = {id(m): dequantize_int4(m, self.engine.dtype) for m in self._int4_matrices}
@@ -226,10 +229,10 @@ class FusedDecoder:
             self._dense_copies = copies
         return self._dense_copies
 
-    def _rows_on_cublas(self, rows: int) -> bool:
-        """Whether a step of `rows` rows multiplies through cuBLAS (16-bit copies, or INT4 dequantized into
-        scratch) rather than the INT4 kernels."""
-        return self.kernels.int4_rows_on_cublas(rows) or bool(self.dense_copies(rows))
+    def _rows_on_cublas(self, batch: int, tokens: int) -> bool:
+        """Whether a step of `batch` x `tokens` rows multiplies through cuBLAS (16-bit copies, or INT4
+        dequantized into scratch) rather than the INT4 kernels."""
+        return self.kernels.int4_rows_on_cublas(batch * tokens) or bool(self.dense_copies(batch, tokens))
 
     def _scratch_cache(self, batch: int, tokens: int, loops: int) -> KVCache:
         scratch = self._scratch
@@ -264,7 +267,7 @@ class FusedDecoder:
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.memory_allocated(dev)
         stream = self._capture_stream()
-        window = self._graph_window(tokens.numel())
+        window = self._graph_window(tokens.shape[0], tokens.shape[1])
         with l2_residency.window_during(stream, window) as no_window:
             if no_window is not None:
                 window = None
@@ -298,13 +301,13 @@ class FusedDecoder:
         except l2_residency.DriverError as exc:
             info(f"L2 residency: the persisting share is not restored after a prefill ({exc})")
 
-    def _graph_window(self, rows: int) -> l2_residency.L2Window | None:
+    def _graph_window(self, batch: int, tokens: int) -> l2_residency.L2Window | None:
         """The L2 window a graph of `rows` rows is captured with: the engine's for steps whose matmuls read the
         INT4 body themselves (decode-sized), none for those that go to cuBLAS (a prefill reads the INT4 body once,
         to dequantize it, and its GEMMs read the 16-bit copies, which the window does not cover). On the H200
         this alone did not remove the prefill cost of L2 residency (still +3-7 % on a body that
         fits): the persisting share itself takes L2 from the GEMMs (see l2_residency.SHARE_OFF_DURING_PREFILL)."""
-        return None if self._rows_on_cublas(rows) else self.engine.l2_window
+        return None if self._rows_on_cublas(batch, tokens) else self.engine.l2_window
 
     def _capture_stream(self) -> torch.cuda.Stream:
         """The stream graphs are captured from, one per decoder; it carries the engine's L2 window (if any)
@@ -348,7 +351,7 @@ class _FusedOps:
         self.dec, self.k, self.cache, self.positions = dec, dec.kernels, cache, positions
         self.cfg, self.eng = dec.cfg, dec.engine
         self.B, self.T, self.last_only = B, T, last_only
-        self.dense = dec.dense_copies(B * T)
+        self.dense = dec.dense_copies(B, T)
 
     def _w(self, w: Weight) -> Weight:
         """The weight this step multiplies: its 16-bit copy in many-row steps, else w."""

@@ -1,0 +1,142 @@
+"""Batched decode on one CUDA device through the public API: per-step time and aggregate decode tokens/s at
+several batch sizes (`Model.generate_batch_stream`, greedy, 128-token random prompts, 64 timed steps after
+every row's first token, median of 3), optionally a kernel profile per batch size, batched greedy rows
+against each prompt alone in float32 and bfloat16, and self-speculation (draft 2 / verify 8) against plain
+greedy decoding. Runs on an older checkout too (`PYTHONPATH=<tree>/src`), so a baseline shares the machine.
+
+    PYTHONPATH=src python bench/gpu_batched_decode.py --model seed.tinyloop --out seed.json \\
+        [--batches 1 2 4 8 16 32 64] [--loops 8] [--profile 2 64] [--agree] [--speculative]
+
+Results of 2026-12-06 (H100): bench/results/h100_batched_decode.json, docs/BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+import torch
+
+import tinyloop
+
+PROMPT_TOKENS = 128
+STEPS = 64
+
+
+def random_prompts(rng: np.random.Generator, rows: int, vocab: int, length: int = PROMPT_TOKENS) -> list[np.ndarray]:
+    return [rng.integers(1, vocab, length).astype(np.int32) for _ in range(rows)]
+
+
+def timed_batch(model: tinyloop.Model, prompts: list[np.ndarray], steps: int, loops: int) -> tuple[float, float]:
+    """(seconds until every row has its first token, seconds per later step)."""
+    seen, first = 0, 0.0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in model.generate_batch_stream(prompts, max_tokens=steps + 1, loops=loops, temperature=0.0):
+        seen += 1
+        if seen == len(prompts):
+            first = time.perf_counter()
+    torch.cuda.synchronize()
+    return first - t0, (time.perf_counter() - first) / steps
+
+
+def kernel_profile(model: tinyloop.Model, prompts: list[np.ndarray], loops: int) -> list[tuple[str, float, int]]:
+    """The 12 kernels (and ops) with the most device time over a 16-step run, prefill included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    timed_batch(model, prompts, 4, loops)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        timed_batch(model, prompts, 16, loops)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    return [(e.key[:70], round(e.device_time_total / 1e3, 2), e.count) for e in events[:12]]
+
+
+def leading_equal(a: np.ndarray, b: np.ndarray) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def batched_vs_alone(path: str, loops: int, vocab: int) -> dict[str, list[int]]:
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(1, vocab, n).astype(np.int32) for n in (20, 57, 128, 90)]
+    result = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tinyloop.Model(path, max_seq_len=512, device="cuda", dtype=dtype)
+        alone = [model.generate(p, 32, loops=loops, temperature=0.0) for p in prompts]
+        for rows in (2, 4):
+            batch = model.generate_batch(prompts[:rows], max_tokens=32, loops=loops, temperature=0.0)
+            name = str(dtype).removeprefix("torch.")
+            result[f"{name}_B{rows}"] = [leading_equal(a, b) for a, b in zip(alone, batch, strict=False)]
+        model.close()
+    return result
+
+
+def speculative(model: tinyloop.Model, vocab: int) -> dict:
+    prompt = random_prompts(np.random.default_rng(2), 1, vocab)[0]
+
+    def median_s(fn):  # type: ignore[no-untyped-def]
+        fn()
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times), out
+
+    plain_s, plain = median_s(lambda: model.generate(prompt, 128, loops=8, temperature=0.0))
+    result: dict = {"plain_128_tokens_ms": plain_s * 1e3}
+    for adaptive in (True, False):
+        s, spec = median_s(lambda a=adaptive: model.generate_speculative(
+            prompt, 128, draft_loops=2, verify_loops=8, temperature=0.0, adaptive=a))  # fmt: skip
+        result["adaptive" if adaptive else "fixed"] = {
+            "ms": s * 1e3, "vs_plain": plain_s / s, "leading_tokens_equal_to_plain": leading_equal(plain, spec)
+        }  # fmt: skip
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    parser.add_argument("--loops", type=int, default=8)
+    parser.add_argument("--profile", type=int, nargs="*", default=[], help="batch sizes to profile")
+    parser.add_argument("--agree", action="store_true", help="batched greedy rows against each prompt alone")
+    parser.add_argument("--speculative", action="store_true", help="draft 2 / verify 8 against plain greedy")
+    args = parser.parse_args()
+    model = tinyloop.Model(args.model, max_seq_len=512, device="cuda")
+    vocab = min(30000, int(model.config()["vocab_size"]))
+    rng = np.random.default_rng(0)
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "loops": args.loops,
+                    "rows": {}}  # fmt: skip
+    for rows in args.batches:
+        prompts = random_prompts(rng, rows, vocab)
+        timed_batch(model, prompts, 4, args.loops)
+        runs = [timed_batch(model, prompts, STEPS, args.loops) for _ in range(3)]
+        step = statistics.median(r[1] for r in runs)
+        result["rows"][rows] = {
+            "step_ms": round(step * 1e3, 3),
+            "first_token_ms": round(statistics.median(r[0] for r in runs) * 1e3, 1),
+            "decode_tokens_per_s": round(rows / step, 1),
+        }
+        print(rows, result["rows"][rows], flush=True)
+    for rows in args.profile:
+        result.setdefault("profile", {})[rows] = kernel_profile(model, random_prompts(rng, rows, vocab), args.loops)
+    if args.speculative:
+        result["speculative_2_8"] = speculative(model, vocab)
+    model.close()
+    if args.agree:
+        result["batched_vs_alone_leading_equal_of_32"] = batched_vs_alone(args.model, args.loops, vocab)
+    result["max_memory_allocated_mib"] = torch.cuda.max_memory_allocated() / 2**20
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("rows", "profile")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
