@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -43,6 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gpu_suite import timed, with_env
 
 RESULTS: dict[str, Any] = {"errors": {}}
 OUT = Path("persistent_mlp.json")
@@ -70,30 +70,6 @@ def section(name: str, fn: Callable[[], Any]) -> None:
         print(f"section {name} failed:\n{RESULTS['errors'][name]}", file=sys.stderr)
     RESULTS.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t, 1)
     save()
-
-
-def with_env(env: dict[str, str], fn: Callable[[], Any]) -> Any:
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        return fn()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def timed(fn: Callable[[], Any], repeat: int) -> list[float]:
-    out = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
-    return out
 
 
 # ---- one layer's MLP ----------------------------------------------------------------------------------------
