@@ -110,7 +110,7 @@ def main() -> None:
     parser.add_argument("--speculative", action="store_true", help="draft 2 / verify 8 against plain greedy")
     args = parser.parse_args()
     model = tinyloop.Model(args.model, max_seq_len=512, device="cuda")
-    vocab = min(30000, int(model.config()["vocab_size"]))
+    vocab = min(30000, int(model.config["vocab_size"]))
     rng = np.random.default_rng(0)
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "loops": args.loops,
                     "rows": {}}  # fmt: skip

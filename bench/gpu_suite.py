@@ -403,19 +403,17 @@ def wait_for_models(*paths: str) -> None:
             raise RuntimeError(f"random model conversion failed: {err.decode()[-2000:]}")
 
 
-def generation_numbers(path: str, loops: int, prompt_len: int = 128, new: int = 128, repeat: int = 5) -> dict:
+def decode_timing(m: Any, prompt: np.ndarray, loops: int, new: int = 128, repeat: int = 5) -> dict[str, Any]:
+    """Greedy `generate` of `new` tokens after `prompt` (median of `repeat` after two warm-ups) and the decode
+    step alone without the per-token sampling sync (what the GPU is busy for); the greedy tokens too."""
     res: dict[str, Any] = {}
-    rng = np.random.default_rng(1)
-    m = tinyloop.Model(path, max_seq_len=1024, device="cuda")
-    vocab = m.config["vocab_size"]
-    prompt = rng.integers(0, vocab, prompt_len).astype(np.int32)
     for _ in range(2):
         m.generate(prompt, new, loops=loops, temperature=0.0)  # compiles, captures the decode graph
     totals, decodes, prefills = [], [], []
     for _ in range(repeat):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        m.generate(prompt, new, loops=loops, temperature=0.0)
+        greedy = m.generate(prompt, new, loops=loops, temperature=0.0)
         totals.append(time.perf_counter() - t)
         st = m.last_stats
         decodes.append(st.decode_s / max(st.generated_tokens - 1, 1) * new)
@@ -424,8 +422,9 @@ def generation_numbers(path: str, loops: int, prompt_len: int = 128, new: int = 
     res["decode_128_tokens_ms"] = 1e3 * statistics.median(decodes)
     res["decode_tokens_per_s"] = new / statistics.median(decodes)
     res["prefill_in_generate_ms"] = 1e3 * statistics.median(prefills)
-    # The decode step alone, no sampling sync between tokens (what the GPU is busy for).
+    res["greedy"] = [int(t) for t in greedy]
     eng = m._engine
+    prompt_len = len(prompt)
     cache = eng.new_cache(1, prompt_len + new + 8, loops)
     eng.step(torch.as_tensor(prompt[None], dtype=torch.long), cache, loops, last_only=True)
     tok = torch.tensor([[5]])
@@ -437,6 +436,16 @@ def generation_numbers(path: str, loops: int, prompt_len: int = 128, new: int = 
 
     raw()
     res["raw_decode_128_ms"] = 1e3 * statistics.median(timed(raw, 5))
+    return res
+
+
+def generation_numbers(path: str, loops: int, prompt_len: int = 128, new: int = 128, repeat: int = 5) -> dict:
+    rng = np.random.default_rng(1)
+    m = tinyloop.Model(path, max_seq_len=1024, device="cuda")
+    vocab = m.config["vocab_size"]
+    prompt = rng.integers(0, vocab, prompt_len).astype(np.int32)
+    res = decode_timing(m, prompt, loops, new, repeat)
+    eng = m._engine
     for n in (128, 1024):
         ids = rng.integers(0, vocab, n).astype(np.int32)
         for _ in range(2):

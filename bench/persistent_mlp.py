@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gpu_suite import timed, with_env
+from gpu_suite import decode_timing, timed, with_env
 
 RESULTS: dict[str, Any] = {"errors": {}}
 OUT = Path("persistent_mlp.json")
@@ -263,31 +263,9 @@ def decode_numbers(path: str, loops: int, persistent: bool, new: int = 128, prom
     def run() -> dict[str, Any]:
         m = tinyloop.Model(path, max_seq_len=1024, device="cuda")
         try:
-            eng = m._engine
             prompt = np.random.default_rng(1).integers(0, m.config["vocab_size"], prompt_len).astype(np.int32)
-            res: dict[str, Any] = {"policy_persistent_decode": eng.kernel_policy.persistent_decode}
-            for _ in range(2):
-                m.generate(prompt, new, loops=loops, temperature=0.0)  # compiles, captures the decode graph
-            decodes = []
-            for _ in range(5):
-                greedy = m.generate(prompt, new, loops=loops, temperature=0.0)
-                st = m.last_stats
-                decodes.append(st.decode_s / max(st.generated_tokens - 1, 1) * new)
-            res["decode_128_tokens_ms"] = 1e3 * statistics.median(decodes)
-            res["decode_tokens_per_s"] = new / statistics.median(decodes)
-            res["greedy"] = [int(t) for t in greedy]
-            cache = eng.new_cache(1, prompt_len + new + 8, loops)
-            eng.step(torch.as_tensor(prompt[None], dtype=torch.long), cache, loops, last_only=True)
-            tok = torch.tensor([[5]])
-
-            def raw() -> None:
-                cache.truncate(prompt_len)
-                for _ in range(new):
-                    eng.step(tok, cache, loops, last_only=True)
-
-            raw()
-            res["raw_decode_128_ms"] = 1e3 * statistics.median(timed(raw, 5))
-            return res
+            res: dict[str, Any] = {"policy_persistent_decode": m._engine.kernel_policy.persistent_decode}
+            return {**res, **decode_timing(m, prompt, loops, new)}
         finally:
             m.close()
             torch.cuda.empty_cache()
