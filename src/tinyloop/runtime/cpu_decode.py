@@ -206,7 +206,7 @@ class _Step:
 
 
 class CpuDecoder:
-    """Decode steps (T = 1) and one row's prefill (B = 1, T <= PREFILL_MAX_TOKENS) of a float32 model on CPU,
+    """Decode steps (T = 1) and, with float32 matrices, one row's prefill (B = 1, T <= PREFILL_MAX_TOKENS) on CPU,
     appended after what the cache holds; anything else is declined (None)."""
 
     def __init__(self, cfg: ArchConfig, weights: ModelWeights, cos: torch.Tensor, sin: torch.Tensor,
@@ -217,6 +217,9 @@ class CpuDecoder:
         self.w = weights
         self.cos, self.sin, self.noise = cos, sin, noise
         copy_bytes = _float32_matrix_bytes(weights)
+        layers = (*weights.prelude, *weights.body, *weights.coda)
+        matrices = [m for lw in layers for m in lw.matrices()] + [weights.head, weights.adapter]
+        self.int4_products = any(isinstance(m, CpuInt4Weight) for m in matrices)
         if onednn is None:
             onednn = cpu_onednn.available() and copy_bytes > 0 and _fits_twice(copy_bytes)
         self.onednn = onednn
@@ -415,7 +418,9 @@ class CpuDecoder:
         B, T = tokens.shape
         if cache is None or resume is not None or type(cache).update not in _PLAIN_UPDATES:
             return None
-        if T != 1 and (B != 1 or T > PREFILL_MAX_TOKENS):
+        if T != 1 and (B != 1 or T > PREFILL_MAX_TOKENS or self.int4_products):
+            # torch's INT4 kernel (bfloat16 matmuls) rounds a row by how many come with it: a prompt prefilled
+            # here alone would part from the same prompt prefilled in a batch (the generic path).
             return None
         if cache.batch != B or not bool((start == cache.lengths).all()):
             return None
