@@ -122,9 +122,9 @@ def test_arguments_per_row_or_shared(models) -> None:
 
 
 def test_bfloat16_matmul_rows_equal_each_request_alone() -> None:
-    """The built-in model with bfloat16 matmuls (torch's CPU INT4 kernel, whose rounding of a row depends on
-    the rows multiplied with it): prompts of different lengths batched give what each gives alone. A
-    prompt prefilled alone as rows of the decode step's INT4 products once parted from the batch at token 0."""
+    """The built-in model with bfloat16 matmuls (torch's CPU INT4 kernel up to 8 rows, a dense bfloat16 GEMM
+    beyond, which round differently): prompts of different lengths batched give what each gives alone. A
+    prompt prefilled alone by the CPU decode path once parted from the batch's generic prefill at token 0."""
     from tinyloop.kernels import cpu_int4
     from tinyloop.runtime.benchmark import matmul_dtype
 

@@ -419,8 +419,8 @@ class CpuDecoder:
         if cache is None or resume is not None or type(cache).update not in _PLAIN_UPDATES:
             return None
         if T != 1 and (B != 1 or T > PREFILL_MAX_TOKENS or self.int4_products):
-            # torch's INT4 kernel (bfloat16 matmuls) rounds a row by how many come with it: a prompt prefilled
-            # here alone would part from the same prompt prefilled in a batch (the generic path).
+            # bfloat16 matmuls (cpu_int4.matmul) switch kernels past 8 rows, and the two round differently: a
+            # prompt prefilled here alone would part from the same prompt prefilled in a batch (the generic path).
             return None
         if cache.batch != B or not bool((start == cache.lengths).all()):
             return None
