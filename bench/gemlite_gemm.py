@@ -148,11 +148,16 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="*", default=list(ROWS))
     ap.add_argument("--dtypes", nargs="*", default=["bfloat16", "float16"])
     ap.add_argument("--config", help="a GemLite autotune cache (default: its h100.json)")
+    ap.add_argument("--autotune", choices=["fast", "max"], help="tune GemLite's kernels on this GPU instead of a cache")
     args = ap.parse_args()
     import gemlite
 
-    config = args.config or os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
-    loaded = gemlite.GemLiteLinear.load_config(config)
+    if args.autotune:
+        gemlite.set_autotune(args.autotune)
+        config, loaded = f"autotune={args.autotune}", None
+    else:
+        config = args.config or os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
+        loaded = gemlite.GemLiteLinear.load_config(config)
     res: dict[str, Any] = {"gemlite": getattr(gemlite, "__version__", "?"), "config": config, "loaded": loaded}
     res["device"] = torch.cuda.get_device_name()
     gen = torch.Generator(device="cuda").manual_seed(0)

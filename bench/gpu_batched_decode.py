@@ -5,7 +5,11 @@ against each prompt alone in float32 and bfloat16, and self-speculation (draft 2
 greedy decoding. Runs on an older checkout too (`PYTHONPATH=<tree>/src`), so a baseline shares the machine.
 
     PYTHONPATH=src python bench/gpu_batched_decode.py --model seed.tinyloop --out seed.json \\
-        [--batches 1 2 4 8 16 32 64] [--loops 8] [--profile 2 64] [--agree] [--speculative]
+        [--batches 1 2 4 8 16 32 64] [--loops 8] [--profile 2 64] [--agree] [--speculative] \\
+        [--policy gluon_gemv_max_rows=1 dense_copy_min_rows=2] [--tiles rows.json]
+
+--policy and --tiles load the model under a KernelPolicy with those fields replaced (--tiles: the `best_tiles`
+of bench/gluon_gemv_rows.py as `gluon_tiles`), to compare kernel choices on one machine.
 
 Results of 2026-12-06 (H100): bench/results/h100_batched_decode.json, docs/BENCHMARKS.md.
 """
@@ -13,9 +17,13 @@ Results of 2026-12-06 (H100): bench/results/h100_batched_decode.json, docs/BENCH
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import statistics
 import time
+from collections.abc import Iterator
+from unittest import mock
 
 import numpy as np
 import torch
@@ -53,6 +61,32 @@ def kernel_profile(model: tinyloop.Model, prompts: list[np.ndarray], loops: int)
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)
     return [(e.key[:70], round(e.device_time_total / 1e3, 2), e.count) for e in events[:12]]
+
+
+@contextlib.contextmanager
+def policy_overrides(fields: dict) -> Iterator[None]:
+    """Models loaded inside build their KernelPolicy with `fields` replaced (the loader's policy factory wrapped:
+    the policy stays a value built at load)."""
+    from tinyloop.kernels import cuda_backend
+
+    if not fields:
+        yield
+        return
+    built = cuda_backend.kernel_policy
+    with mock.patch.object(cuda_backend, "kernel_policy", lambda env: dataclasses.replace(built(env), **fields)):
+        yield
+
+
+def parse_overrides(pairs: list[str], tiles: str | None) -> dict:
+    fields: dict = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        fields[key] = int(value) if value.lstrip("-").isdigit() else value
+    if tiles:
+        with open(tiles) as f:
+            best = json.load(f)["best_tiles"]
+        fields["gluon_tiles"] = {tuple(int(v) for v in k.split(",")): tuple(t) for k, t in best.items()}
+    return fields
 
 
 def leading_equal(a: np.ndarray, b: np.ndarray) -> int:
@@ -108,12 +142,19 @@ def main() -> None:
     parser.add_argument("--profile", type=int, nargs="*", default=[], help="batch sizes to profile")
     parser.add_argument("--agree", action="store_true", help="batched greedy rows against each prompt alone")
     parser.add_argument("--speculative", action="store_true", help="draft 2 / verify 8 against plain greedy")
+    parser.add_argument("--policy", nargs="*", default=[], help="KernelPolicy fields to replace, as FIELD=VALUE")
+    parser.add_argument("--tiles", help="bench/gluon_gemv_rows.py output whose best tiles the policy takes")
     args = parser.parse_args()
+    with policy_overrides(parse_overrides(args.policy, args.tiles)):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     model = tinyloop.Model(args.model, max_seq_len=512, device="cuda")
     vocab = min(30000, int(model.config["vocab_size"]))
     rng = np.random.default_rng(0)
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "loops": args.loops,
-                    "rows": {}}  # fmt: skip
+                    "policy": args.policy, "tiles": args.tiles, "rows": {}}  # fmt: skip
     for rows in args.batches:
         prompts = random_prompts(rng, rows, vocab)
         timed_batch(model, prompts, 4, args.loops)

@@ -72,11 +72,13 @@ def test_launcher_takes_only_what_the_kernel_is_written_for(monkeypatch: pytest.
     w64 = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(8, 128), 64))
     w32 = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(8, 128), 32))
     x = torch.randn(1, 128)
-    assert not cuda_ops._gluon_applies(x, w64, 1)  # a CPU tensor
+    policy = KernelPolicy(gluon_gemv_max_rows=4)
+    assert not cuda_ops._gluon_applies(policy, x, w64, 1)  # a CPU tensor
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    assert cuda_ops._gluon_applies(x, w64, 1)
-    assert not cuda_ops._gluon_applies(x, w64, 2)  # one row only
-    assert not cuda_ops._gluon_applies(x, w32, 1)  # 64-column groups only
+    assert cuda_ops._gluon_applies(policy, x, w64, 1)
+    assert cuda_ops._gluon_applies(policy, x, w64, 4)
+    assert not cuda_ops._gluon_applies(policy, x, w64, 5)  # up to gluon_gemv_max_rows rows
+    assert not cuda_ops._gluon_applies(policy, x, w32, 1)  # 64-column groups only
 
 
 @pytest.mark.parametrize(
@@ -90,14 +92,18 @@ def test_one_row_dispatch_order(monkeypatch: pytest.MonkeyPatch, staged_on: bool
     policy = KernelPolicy(staged_gemv=staged_on, gluon_gemv=gluon_on)
     monkeypatch.setattr(cuda_ops, "_gemv_staged", lambda *a: calls.append("staged") or staged_runs)
     monkeypatch.setattr(cuda_ops, "_gemv_gluon", lambda *a: calls.append("gluon") or True)
-    ran = cuda_ops._gemv_one_row_gluon(policy, *[None] * 7, {})
+    ran = cuda_ops._gemv_gluon_rows(policy, torch.randn(1, 64), *[None] * 6, {})
     assert calls == expected
     assert ran == ((staged_on and staged_runs) or gluon_on)
+    calls.clear()
+    assert cuda_ops._gemv_gluon_rows(policy, torch.randn(2, 64), *[None] * 6, {}) == gluon_on
+    assert calls == (["gluon"] if gluon_on else [])  # the staged GEMV is one row's only
 
 
 @pytest.mark.parametrize(("n", "k", "act"), [(6144, 2048, 0), (5632, 2048, 1), (2048, 5632, 0), (32000, 2048, 0),
                                              (1152, 384, 1), (1000, 1024, 2)])  # fmt: skip
-def test_tiles_fit_a_warp(n: int, k: int, act: int) -> None:
-    rows, lanes_rows, per_thread, warps_rows, warps_blocks = KernelPolicy().gluon_tile(n, k, act)
+@pytest.mark.parametrize("x_rows", [1, 2, 3, 4, 8])
+def test_tiles_fit_a_warp(n: int, k: int, act: int, x_rows: int) -> None:
+    rows, lanes_rows, per_thread, warps_rows, warps_blocks = KernelPolicy().gluon_tile(n, k, act, x_rows)
     assert 16 % lanes_rows == 0 and min(rows, per_thread, warps_rows, warps_blocks) >= 1
     assert (warps_rows * warps_blocks) & (warps_rows * warps_blocks - 1) == 0  # a power of two

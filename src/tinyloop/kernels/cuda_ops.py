@@ -45,16 +45,17 @@ def _gemv_gluon(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, out
 
     from tinyloop.kernels.gluon_gemv import PRMT_HIGH_BYTE, _gemv_int4_gluon_kernel
 
-    N, K = out.shape[1], x.shape[1]
-    rows, lanes_rows, per_thread, warps_rows, warps_blocks = policy.gluon_tile(N, K, flags["ACT"])
+    (M, K), N = x.shape, out.shape[1]
+    rows, lanes_rows, per_thread, warps_rows, warps_blocks = policy.gluon_tile(N, K, flags["ACT"], M)
     block_n = rows * lanes_rows * warps_rows
     blocks = per_thread * (16 // lanes_rows) * warps_blocks
     even = N % block_n == 0 and (K // 64) % blocks == 0
     try:
         _gemv_int4_gluon_kernel[(triton.cdiv(N, block_n),)](
             x, w.packed.view(torch.int32), w.scale, w.minimum, out, res, nw, b, N, K, eps, K // 8, K // 64,
-            PRMT_HIGH_BYTE, NORM=flags["NORM"], BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"],
-            R=rows, LR=lanes_rows, BPT=per_thread, WR=warps_rows, WB=warps_blocks, EVEN=even,
+            x.stride(0), out.stride(0), res.stride(0), PRMT_HIGH_BYTE, M=M, NORM=flags["NORM"], BIAS=flags["BIAS"],
+            ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"], R=rows, LR=lanes_rows, BPT=per_thread, WR=warps_rows,
+            WB=warps_blocks, EVEN=even,
             num_warps=warps_rows * warps_blocks, **policy.register_cap(),
             **policy.gluon_pdl_options(policy.gluon_launch_dependents),
         )  # fmt: skip
@@ -117,19 +118,26 @@ def _gemv_staged(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ou
     return True
 
 
-def _gemv_one_row_gluon(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor,
-                        res: torch.Tensor, nw: torch.Tensor, b: torch.Tensor, eps: float,
-                        flags: dict) -> bool:  # fmt: skip
-    """The staged GEMV where it is on and its plan applies, else the plain Gluon one where it is on; False:
-    neither ran (the Triton kernel then does)."""
-    if policy.staged_gemv and "staged" not in _UNBUILDABLE and _gemv_staged(policy, x, w, out, res, nw, b, eps, flags):
+def _gemv_gluon_rows(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor,
+                     res: torch.Tensor, nw: torch.Tensor, b: torch.Tensor, eps: float,
+                     flags: dict) -> bool:  # fmt: skip
+    """One row: the staged GEMV where it is on and its plan applies; else (and for a few rows) the plain Gluon
+    one where it is on. False: neither ran (the Triton kernels then do)."""
+    one_row = x.shape[0] == 1
+    if (
+        one_row
+        and policy.staged_gemv
+        and "staged" not in _UNBUILDABLE
+        and _gemv_staged(policy, x, w, out, res, nw, b, eps, flags)
+    ):
         return True
     return policy.gluon_gemv and "gluon" not in _UNBUILDABLE and _gemv_gluon(policy, x, w, out, res, nw, b, eps, flags)
 
 
-def _gluon_applies(x: torch.Tensor, w: BlockedInt4Weight, M: int) -> bool:
-    """What both Gluon GEMVs (plain and staged) are written for: one row, 64-column groups, on CUDA."""
-    return M == 1 and w.group_size == 64 and x.shape[1] % 64 == 0 and x.is_cuda
+def _gluon_applies(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, M: int) -> bool:
+    """What the Gluon GEMVs are written for: up to `gluon_gemv_max_rows` rows (the staged one: one), 64-column
+    groups, on CUDA."""
+    return M <= policy.gluon_gemv_max_rows and w.group_size == 64 and x.shape[1] % 64 == 0 and x.is_cuda
 
 
 def _weight_parts(w: Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, bool]:
@@ -192,7 +200,7 @@ def fused_linear(
     )  # fmt: skip
     if isinstance(w, BlockedInt4Weight):
         del flags["INT4"]
-        if _gluon_applies(x, w, M) and _gemv_one_row_gluon(policy, x, w, out, res, nw, b, eps, flags):
+        if _gluon_applies(policy, x, w, M) and _gemv_gluon_rows(policy, x, w, out, res, nw, b, eps, flags):
             return out
         if M <= policy.matvec_max_rows:
             args = (x, words, scale, minimum, out, res, nw, b, M, N, K, eps, x.stride(0), out.stride(0), res.stride(0))

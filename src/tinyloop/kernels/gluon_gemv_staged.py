@@ -185,7 +185,7 @@ def _gemv_int4_staged_kernel(
         rows = row0 + t * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, L2))
         # Fetched first, so that their latency hides behind the tile's arithmetic (the residual is the
         # previous kernel's output: it cannot come before the wait).
-        bias, res = _load_bias_residual(rows, N, b_ptr, res_ptr, BIAS, RESIDUAL)
+        bias, res = _load_bias_residual(0, rows, N, 1, b_ptr, res_ptr, 0, BIAS, RESIDUAL)
         mbarrier.wait(bars.index(t), 0)
         acc = gl.zeros([BN, _CHUNK], gl.float32, layout=L2)
         acc_up = gl.zeros([BN, _CHUNK], gl.float32, layout=L2)
@@ -218,5 +218,5 @@ def _gemv_int4_staged_kernel(
                 acc_up += s_up * (16.0 * (gl.sum(part_up, axis=2) - xs)) + mn_up * xs
         y = gl.sum(acc, axis=1) * rstd
         y_up = gl.sum(acc_up, axis=1) * rstd
-        _store_rows(y, y_up, rows, N, out_ptr, bias, res, BIAS, ACT, RESIDUAL)
+        _store_rows(y, y_up, 0, rows, N, 1, out_ptr, 0, bias, res, BIAS, ACT, RESIDUAL)
     _release(bars, TILES, PDL)

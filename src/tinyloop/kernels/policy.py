@@ -46,8 +46,10 @@ class KernelPolicy:
     pdl: bool = False
     # Under PDL, let the next kernel launch before this one's wait. Off: 1.2 % on the H200, within noise.
     pdl_early_launch: bool = False
-    # One-row GEMVs of blocked INT4 weights through the Gluon kernel (kernels/gluon_gemv.py).
+    # GEMVs of blocked INT4 weights through the Gluon kernel (kernels/gluon_gemv.py), for up to
+    # `gluon_gemv_max_rows` rows: each weight is read and decoded once for all of them.
     gluon_gemv: bool = False
+    gluon_gemv_max_rows: int = 4
     # One-row GEMVs that stage their weight slice in shared memory by TMA before the PDL wait
     # (kernels/gluon_gemv_staged.py), for the shapes `staged_applies` names.
     staged_gemv: bool = False
@@ -91,11 +93,11 @@ class KernelPolicy:
     # (kernels/persistent_mlp.py; TINYLOOP_PERSISTENT_DECODE=1): off until it is measured to win.
     persistent_decode: bool = False
     # Tile overrides: (N, K, rows) -> tile for the plain GEMV, the blocked GEMV and the split-K kernel;
-    # (N, K, act) -> tile for the Gluon GEMV.
+    # (N, K, act, rows) -> tile for the Gluon GEMV.
     matvec_tiles: Mapping[Shape, tuple[int, int, int]] = field(default_factory=dict)
     blocked_tiles: Mapping[Shape, tuple[int, int, int]] = field(default_factory=dict)
     splitk_tiles: Mapping[Shape, tuple[int, int, int, int]] = field(default_factory=dict)
-    gluon_tiles: Mapping[Shape, tuple[int, int, int, int, int]] = field(default_factory=dict)
+    gluon_tiles: Mapping[tuple[int, int, int, int], tuple[int, int, int, int, int]] = field(default_factory=dict)
     # (d_model, ffn, rows) -> tile of the persistent MLP kernel.
     persistent_mlp_tiles: Mapping[Shape, PersistentMlpTile] = field(default_factory=dict)
 
@@ -155,12 +157,12 @@ class KernelPolicy:
         block_m = 16 if rows <= 16 else 64
         return (32, block_m, 256, 4) if n <= 2048 and k <= 2048 else (64, block_m, 128, 4)
 
-    def gluon_tile(self, n: int, k: int, act: int) -> tuple[int, int, int, int, int]:
-        """(rows per thread, lanes along rows, blocks per thread, warps along rows, warps along blocks) of the
-        Gluon GEMV; see `gluon_gemv_tile`."""
-        if (n, k, act) in self.gluon_tiles:
-            return self.gluon_tiles[(n, k, act)]
-        return gluon_gemv_tile(n, k, act)
+    def gluon_tile(self, n: int, k: int, act: int, rows: int = 1) -> tuple[int, int, int, int, int]:
+        """(weight rows per thread, lanes along rows, blocks per thread, warps along rows, warps along blocks)
+        of the Gluon GEMV over `rows` rows of x; see `gluon_gemv_tile`."""
+        if (n, k, act, rows) in self.gluon_tiles:
+            return self.gluon_tiles[(n, k, act, rows)]
+        return gluon_gemv_tile(n, k, act, rows)
 
     def persistent_mlp_tile(self, d: int, f: int, rows: int, group: int) -> PersistentMlpTile | None:
         """The persistent MLP kernel's items for d_model `d`, ffn `f`, `rows` rows and INT4 groups of `group`
@@ -216,11 +218,13 @@ def blocked_gemv_tile(n: int, k: int, rows: int) -> tuple[int, int, int]:
     return (2, 8, 1) if n >= 4096 else (8, 16, 4)
 
 
-def gluon_gemv_tile(n: int, k: int, act: int) -> tuple[int, int, int, int, int]:
-    """Heads (8, 1, 1, 1, 1) (16.6 vs 24.4 µs for the Triton GEMV); few 64-column blocks (K < 1024, the
+def gluon_gemv_tile(n: int, k: int, act: int, rows: int = 1) -> tuple[int, int, int, int, int]:
+    """One row: heads (8, 1, 1, 1, 1) (16.6 vs 24.4 µs for the Triton GEMV); few 64-column blocks (K < 1024, the
     built-in model) 8 lanes along blocks; narrow or long-K products (attention output, down) (4, 1, 1, 2, 2);
     the wide ones (QKV (4, 1, 1, 4, 1); gate / up (2, 2, 1, 2, 1)) as the chain chose them: 82.1 -> 76.1 ms
-    against the tiles that won alone."""
+    against the tiles that won alone. More rows: `gluon_rows_tile`."""
+    if rows > 1:
+        return gluon_rows_tile(n, k, act, rows)
     if n >= VOCABULARY_MIN_N:
         return 8, 1, 1, 1, 1
     if k < 1024:
@@ -228,3 +232,13 @@ def gluon_gemv_tile(n: int, k: int, act: int) -> tuple[int, int, int, int, int]:
     if n <= 2048 or k >= 4096:
         return 4, 1, 1, 2, 2
     return (2, 2, 1, 2, 1) if act == ACT_SWIGLU else (4, 1, 1, 4, 1)
+
+
+def gluon_rows_tile(n: int, k: int, act: int, rows: int) -> tuple[int, int, int, int, int]:
+    """The Gluon GEMV's tile for 2 or more rows of x: a thread holds every row's partial sums, so fewer weight
+    rows per thread as rows (and SwiGLU's second half) add registers. Provisional, to be set by
+    bench/gluon_gemv_rows.py."""
+    per_thread = 4 if rows * (2 if act == ACT_SWIGLU else 1) <= 2 else 2 if rows <= 4 else 1
+    if k < 1024:
+        return min(per_thread, 2), 2, 1, 2, 1
+    return (per_thread, 1, 1, 4, 1) if n > k else (per_thread, 1, 1, 2, 2)
