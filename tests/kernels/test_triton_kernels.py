@@ -281,7 +281,9 @@ ROPE_ATTENTION_TILES = [(1, 128, 4), (1, 32, 2), (2, 32, 2), (4, 64, 4), (8, 16,
 @pytest.mark.parametrize("pairing", ["half", "interleaved"])
 def test_one_token_rope_attention_matches_float64_and_one_split(pairing: str, tile: tuple[int, int, int]) -> None:
     """Each split count against the float64 reference and against one split, positions from an empty cache
-    (0) through one block to several; run twice, so the split merge must have reset its arrival counts."""
+    (0) through one block to several, so rows have one to all of their splits live; the partial states poisoned
+    first (a merge must read only the live splits' rows); run twice, so the merge must have reset its arrival
+    counts."""
     B, H, KVH, hd, S = 6, 4, 2, 16, 300
     gen = torch.Generator().manual_seed(4)
     cfg = ArchConfig(
@@ -298,6 +300,8 @@ def test_one_token_rope_attention_matches_float64_and_one_split(pairing: str, ti
         policy = interpreter_policy(rope_attention_tiles={(B, H, hd): tile}, split_attention_min_head_dim=16)
         ops = cuda_ops.CudaKernels(policy)  # type: ignore[arg-type]
         k_cache, v_cache = (c.clone() for c in caches)
+        if tile[0] > 1:
+            cuda_ops._split_scratch(qkv.device, B * H, tile[0], hd)[0].fill_(float("nan"))
         out = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, pairing == "interleaved")
         again = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, pairing == "interleaved")
         assert torch.equal(again, out)
