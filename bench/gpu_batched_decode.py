@@ -126,7 +126,7 @@ def speculative(model: tinyloop.Model, vocab: int) -> dict:
     result: dict = {"plain_128_tokens_ms": plain_s * 1e3}
     for adaptive in (True, False):
         s, spec = median_s(lambda a=adaptive: model.generate_speculative(
-            prompt, 128, draft_loops=2, verify_loops=8, temperature=0.0, adaptive=a))  # fmt: skip
+            prompt, 128, draft_loops=2, verify_loops=8, temperature=0.0, adaptive=a).tokens)  # fmt: skip
         result["adaptive" if adaptive else "fixed"] = {
             "ms": s * 1e3, "vs_plain": plain_s / s, "leading_tokens_equal_to_plain": leading_equal(plain, spec)
         }  # fmt: skip

@@ -123,8 +123,10 @@ def test_fused_prefill_from_empty_cache_matches_generic(variant: str) -> None:
     int4 = [m for m in matrices if isinstance(m, Int4Weight)]
     assert int4 and decoder.dense_copy_bytes == sum(4 * m.shape[0] * m.shape[1] for m in int4)  # float32 copies
     copies = decoder.dense_copies(1, 20)
-    assert all(id(m) in copies for m in int4) and decoder.dense_copies(2, 1) is copies
-    assert decoder.dense_copies(1, 1) == {} and decoder.dense_copies(1, fused.kernel_policy.blocked_gemm_max_rows) == {}
+    batch = fused.kernel_policy.dense_copy_min_rows
+    assert all(id(m) in copies for m in int4) and decoder.dense_copies(batch, 1) is copies
+    assert decoder.dense_copies(batch - 1, 1) == {} and decoder.dense_copies(1, 1) == {}
+    assert decoder.dense_copies(1, fused.kernel_policy.blocked_gemm_max_rows) == {}
     again = fused.step(tokens, fused.new_cache(1, 24, 2), 2).logits
     assert torch.equal(again, outs[0])
     decoder.release()

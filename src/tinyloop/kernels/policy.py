@@ -71,9 +71,9 @@ class KernelPolicy:
     matvec_16bit_max_rows: int = 1
     # Steps of at least this many sequences (batched decode), and prefill-sized ones, multiply 16-bit copies of
     # the model's INT4 matrices through cuBLAS, made on the first such step and kept while the engine lives
-    # (where they fit the decoder's memory budget); 0: never. H100, seed-407m: a 2-16-row step on the INT4
-    # kernels cost 3.2-5.2x a one-row step, on the copies 1.9-2.4x (docs/BENCHMARKS.md).
-    dense_copy_min_rows: int = 2
+    # (where they fit the decoder's memory budget); 0: never. H100, seed-407m's four layer products: 2 rows
+    # 40 µs on the Gluon GEMV against 53 µs on the copies; 3 rows 59 against 53 (docs/BENCHMARKS.md).
+    dense_copy_min_rows: int = 3
     # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
     splitk_programs: int = 264
     # Cached attention (keys per block, warps) for heads of at least 128 and for narrower heads.
@@ -261,10 +261,19 @@ def gluon_gemv_tile(n: int, k: int, act: int, rows: int = 1) -> tuple[int, int, 
 
 
 def gluon_rows_tile(n: int, k: int, act: int, rows: int) -> tuple[int, int, int, int, int]:
-    """The Gluon GEMV's tile for 2 or more rows of x: a thread holds every row's partial sums, so fewer weight
-    rows per thread as rows (and SwiGLU's second half) add registers. Provisional, to be set by
-    bench/gluon_gemv_rows.py."""
-    per_thread = 4 if rows * (2 if act == ACT_SWIGLU else 1) <= 2 else 2 if rows <= 4 else 1
+    """The Gluon GEMV's tile for 2 or more rows of x (a thread holds every row's partial sums, so fewer weight
+    rows per thread as rows and SwiGLU's second half add registers): the fastest of 14 tiles per seed-407m
+    product and row count (bench/gluon_gemv_rows.py, H100; the Ouro-1.4B shape has the same products), 2 rows
+    wide (N > K) (4, 2, 1, 2, 1), gate / up (2, 1, 1, 4, 1), narrow or long-K (4, 1, 1, 2, 2); 3-4 rows with half
+    the weight rows per thread; more rows one. Heads and the built-in model's narrow products unmeasured."""
     if k < 1024:
-        return min(per_thread, 2), 2, 1, 2, 1
-    return (per_thread, 1, 1, 4, 1) if n > k else (per_thread, 1, 1, 2, 2)
+        return (2 if rows <= 3 else 1), 2, 1, 2, 1
+    if n >= VOCABULARY_MIN_N:
+        return (4 if rows == 2 else 2), 1, 1, 4, 1
+    if rows > 4:
+        return 1, 4, 1, 2, 2
+    if act == ACT_SWIGLU:
+        return (2, 1, 1, 4, 1) if rows <= 3 else (1, 4, 1, 2, 2)
+    if n > k:
+        return (4, 2, 1, 2, 1) if rows == 2 else (2, 2, 1, 2, rows - 2)
+    return (4, 1, 1, 2, 2) if rows == 2 else (2, 1, 1, 4, 1)
