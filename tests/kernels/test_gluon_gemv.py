@@ -86,7 +86,7 @@ def test_launcher_takes_only_what_the_kernel_is_written_for(monkeypatch: pytest.
     [(True, True, True, ["staged"]), (True, False, True, ["staged", "gluon"]), (False, True, True, ["gluon"]),
      (True, False, False, ["staged"]), (False, True, False, [])],
 )  # fmt: skip
-def test_one_row_dispatch_order(monkeypatch: pytest.MonkeyPatch, staged_on: bool, staged_runs: bool, gluon_on: bool,
+def test_dispatch_order(monkeypatch: pytest.MonkeyPatch, staged_on: bool, staged_runs: bool, gluon_on: bool,
                                 expected: list[str]) -> None:  # fmt: skip
     calls: list[str] = []
     policy = KernelPolicy(staged_gemv=staged_on, gluon_gemv=gluon_on)
@@ -95,9 +95,13 @@ def test_one_row_dispatch_order(monkeypatch: pytest.MonkeyPatch, staged_on: bool
     ran = cuda_ops._gemv_gluon_rows(policy, torch.randn(1, 64), *[None] * 6, {})
     assert calls == expected
     assert ran == ((staged_on and staged_runs) or gluon_on)
-    calls.clear()
-    assert cuda_ops._gemv_gluon_rows(policy, torch.randn(2, 64), *[None] * 6, {}) == gluon_on
-    assert calls == (["gluon"] if gluon_on else [])  # the staged GEMV is one row's only
+
+
+def test_staged_gemv_declines_more_rows_than_the_policy_gives_it() -> None:
+    w = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(6144, 2048), 64))
+    policy = KernelPolicy(staged_gemv=True, staged_gemv_max_rows=2)
+    x = torch.randn(3, 2048)
+    assert not cuda_ops._gemv_staged(policy, x, w, torch.empty(3, 6144), *[None] * 3, 1e-6, {"ACT": 0})
 
 
 @pytest.mark.parametrize(("n", "k", "act"), [(6144, 2048, 0), (5632, 2048, 1), (2048, 5632, 0), (32000, 2048, 0),

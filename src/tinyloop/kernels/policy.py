@@ -50,9 +50,10 @@ class KernelPolicy:
     # `gluon_gemv_max_rows` rows: each weight is read and decoded once for all of them.
     gluon_gemv: bool = False
     gluon_gemv_max_rows: int = 4
-    # One-row GEMVs that stage their weight slice in shared memory by TMA before the PDL wait
-    # (kernels/gluon_gemv_staged.py), for the shapes `staged_applies` names.
+    # GEMVs of up to `staged_gemv_max_rows` rows that stage their weight slice in shared memory by TMA before
+    # the PDL wait (kernels/gluon_gemv_staged.py), for the shapes `staged_applies` names.
     staged_gemv: bool = False
+    staged_gemv_max_rows: int = 2
     # (N, K, act) shapes that take the staged GEMV; None: the rule in `staged_applies`.
     staged_shapes: frozenset[Shape] | None = None
     # (rows per thread, warps, register cap or 0) of the staged GEMV.
@@ -212,7 +213,7 @@ class KernelPolicy:
         return (splits, *self.split_attention_tile)
 
     def staged_applies(self, n: int, k: int, act: int) -> bool:
-        """Whether an (N, K, act) one-row product takes the staged GEMV (where `staged_gemv` is on). Rule: the
+        """Whether an (N, K, act) product takes the staged GEMV (where `staged_gemv` is on). Rule: the
         wide products of a layer (N > K: QKV, gate / up) of models with K >= 2048, not a vocabulary head; on
         seed-407m that is QKV and gate / up, which staged 75.0-75.3 ms against 76.3-76.7 with none (H200, 64
         decode steps at 8 loops); staging all four layer products did not help (75.2-75.4)."""
