@@ -87,10 +87,12 @@ class KernelPolicy:
     # program streams one block of keys and values at a time (64 x 128 x 2 x 2 bytes = 32 KB) and an SM needs
     # ~40 KB in flight (its 25 GB/s share of 3.35 TB/s times ~1.5 us of DRAM latency), so two streaming programs
     # per SM, four to cover those in their fixed work (RoPE, merging the splits). Past that a split only adds
-    # fixed work: 1 split from 32 rows of 16 heads; 16 splits of 64 keys cover 1,024 positions a block each.
+    # fixed work: 1 split from 32 rows of 16 heads; 16 splits of 64 keys cover 1,024 positions a block each, and
+    # cost a shorter cache nothing (splits past its keys end at once). Not yet measured: bench/attention_batched.py.
     split_attention_programs: int = 528
     split_attention_max_splits: int = 16
-    # (keys per block, warps) of those programs, at any split count.
+    # (keys per block, warps) of those programs, at any split count: 96-128 registers a thread (sm_90a, bf16
+    # heads of 128), so four or five programs fit an SM.
     split_attention_tile: tuple[int, int] = (64, 4)
     split_attention_min_head_dim: int = 128
     # RoPE + cache write: rows per program.
