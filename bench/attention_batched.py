@@ -9,6 +9,9 @@ the run goes on. Device (about a minute on an H100):
 
     PYTHONPATH=src python3 bench/attention_batched.py --out $OUT/attention_batched.json
 
+The same on an older checkout's kernels and policy (one split count for every launch) for a baseline in the same
+run: `PYTHONPATH=<older checkout>/src python3 bench/attention_batched.py --out $OUT/base.json`.
+
 On the CPU, tiny sizes through Triton's interpreter, eager timings (a check of the script, not a measurement):
 
     TRITON_INTERPRET=1 PYTHONPATH=src python3 bench/attention_batched.py --smoke --out /tmp/attention.json
@@ -75,6 +78,24 @@ def reference(qkv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Te
     return (probs * values).sum(dim=2).reshape(rows, H * hd)
 
 
+def with_tile(base: KernelPolicy, rows: int, n_heads: int, head_dim: int, tile: tuple[int, int, int]) -> Any:
+    """`base` running `tile` (splits, keys per block, warps) at this launch shape; on an older tree (one
+    `split_attention` tuple for every launch, `PYTHONPATH=<older checkout>/src`) through those fields."""
+    if hasattr(base, "rope_attention_tiles"):
+        return dataclasses.replace(base, rope_attention_tiles={(rows, n_heads, head_dim): tile})
+    if tile[0] == 1:
+        return dataclasses.replace(base, split_attention=None, attention_tile=tile[1:])  # type: ignore[call-arg]
+    return dataclasses.replace(base, split_attention=tile)  # type: ignore[call-arg]
+
+
+def policy_tile(base: Any, rows: int, n_heads: int, head_dim: int) -> tuple[int, int, int]:
+    if hasattr(base, "rope_attention_tile"):
+        return tuple(base.rope_attention_tile(rows, n_heads, head_dim))  # type: ignore[return-value]
+    if base.split_attention is not None and head_dim >= base.split_attention_min_head_dim:
+        return tuple(base.split_attention)  # type: ignore[return-value]
+    return (1, *base.attention_block(head_dim))
+
+
 def graph_us(fn: Any, calls: int, repeat: int) -> float:
     """us per call of `fn` (which cycles its cache copies) with `calls` calls captured in one CUDA graph."""
     stream = torch.cuda.Stream()
@@ -120,15 +141,15 @@ def measure(rows: int, positions: int, shape: Shape, variants: list[tuple[int, i
     pos = torch.full((rows,), positions, dtype=torch.long, device=device)
     cos, sin = rope_tables(preset(args.preset), seq, device)
     ref = reference(qkv, k[0], v[0], pos, cos, sin, shape)
-    policy_tile = base.rope_attention_tile(rows, H, hd)
+    chosen = policy_tile(base, rows, H, hd)
     out: dict[str, Any] = {
         "rows": rows, "positions": positions, "kv_MB": nbytes / 1e6, "copies": copies, "calls_per_graph": calls,
-        "streamed_MB": copies * nbytes / 1e6, "policy": list(policy_tile), "variants": [],
+        "streamed_MB": copies * nbytes / 1e6, "policy": list(chosen), "variants": [],
     }  # fmt: skip
-    for tile in dict.fromkeys([*variants, policy_tile]):
-        res: dict[str, Any] = {"splits": tile[0], "block": tile[1], "warps": tile[2], "policy": tile == policy_tile}
+    for tile in dict.fromkeys([*variants, chosen]):
+        res: dict[str, Any] = {"splits": tile[0], "block": tile[1], "warps": tile[2], "policy": tile == chosen}
         try:
-            ops = cuda_ops.CudaKernels(dataclasses.replace(base, rope_attention_tiles={(rows, H, hd): tile}))
+            ops = cuda_ops.CudaKernels(with_tile(base, rows, H, hd, tile))
             got = ops.rope_attention(qkv, k[0], v[0], pos, cos, sin, H, KVH, hd, shape.pairing == "interleaved")
             res["max_abs_err"] = float((got.float() - ref).abs().max())
             res["matches_reference"] = res["max_abs_err"] <= TOLERANCE[shape.dtype]
@@ -203,7 +224,8 @@ def main() -> None:
     base = KernelPolicy(pdl=args.pdl)
     if args.smoke:  # two heads, and the split rule as it would be at 16 heads of 128
         shape = dataclasses.replace(shape, n_heads=2, n_kv_heads=2, dtype=torch.float32)
-        base = dataclasses.replace(base, split_attention_programs=base.split_attention_programs * 2 // cfg.n_heads)
+        if hasattr(base, "split_attention_programs"):
+            base = dataclasses.replace(base, split_attention_programs=base.split_attention_programs * 2 // cfg.n_heads)
         args.rows, args.positions, args.tiles = [1, 3], [5, 70], ["32x2"]
         args.splits = [s for s in args.splits if s <= 4] if args.splits != list(SPLITS) else [1, 2, 4]
         device = torch.device("cpu")
@@ -218,8 +240,9 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
         "torch": torch.__version__, "triton": triton.__version__, "preset": args.preset,
         "heads": [shape.n_heads, shape.n_kv_heads, shape.head_dim], "dtype": str(shape.dtype), "pdl": args.pdl,
-        "policy_rule": {"programs": base.split_attention_programs, "max_splits": base.split_attention_max_splits,
-                        "tile": list(base.split_attention_tile)},
+        "policy_rule": {f.name: getattr(base, f.name) for f in dataclasses.fields(base) if "attention" in f.name
+                        and "tiles" not in f.name},
+        "source": cuda_ops.__file__,
         "timing": "eager, interpreter" if args.smoke else f"CUDA graph of calls cycling cache copies of >= "
                   f"{args.stream_mb:.0f} MB (L2 not resident); median of {args.repeat} replays",
         "runs": [],
