@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -51,10 +52,16 @@ OURO_PATH = "/tmp/ouro-1.4b-shape.tinyloop"
 D_MODEL, FFN, GROUP, EPS = 2048, 5632, 64, 1e-6
 LAYER_COPIES, CHAIN = 8, 64
 SECTIONS = ["layer", "decode", "builtin", "tiles", "ouro_decode"]
-# (gate / up rows, blocks per step, K slice, down rows, warps[, programs per SM]): the default first.
-TILE_SWEEP = [(32, 8, 256, 128, 8), (16, 8, 256, 128, 4), (32, 8, 128, 256, 8), (64, 4, 256, 64, 8),
-              (32, 8, 256, 64, 4), (32, 8, 256, 128, 4, 2), (16, 8, 256, 128, 4, 3),
-              (16, 4, 256, 64, 4, 4), (16, 4, 256, 32, 8), (16, 4, 256, 32, 8, 2)]  # fmt: skip
+# Tile variants of `--only tiles`, "GU_N,GU_B,SLICE,DN_N,WARPS[,PER_SM][,field=value ...]" (kernels/policy.py
+# PersistentMlpTile: gate / up rows, blocks per step, K slice, down rows, warps, programs per SM, then any field by
+# name, e.g. tickets=2 or static=1), in the order they run (the sweep stops at its time cap): the default first.
+TILE_SWEEP = [
+    "32,8,256,128,8", "32,8,256,128,8,1,static=1", "32,8,256,128,8,1,tickets=2",
+    "16,4,256,32,8,3", "16,4,256,32,8,3,static=1", "16,4,256,32,8,3,tickets=2", "16,4,256,32,8,2,static=1",
+    "16,8,256,64,4,2", "16,8,256,64,4,2,static=1", "16,4,256,64,4,2,static=1",
+    "16,8,256,128,8", "32,8,128,256,8", "64,4,256,64,8", "16,4,256,32,8",
+]  # fmt: skip
+TILES_SECONDS, TILE_SECONDS = 150.0, 45.0
 
 
 def save() -> None:
@@ -155,11 +162,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor, kind: str = "frob") -> float:
     return float((a - b).norm() / b.norm())
 
 
-def _check(persistent: Callable, two: Callable, layer: tuple, x: torch.Tensor, residual: bool) -> dict[str, Any]:
+def _check(persistent: Callable, two: Callable, layer: tuple, x: torch.Tensor, residual: bool,
+           repeats: int = 50) -> dict[str, Any]:  # fmt: skip
     gate_up, down, norm = layer
     want = two(x.clone(), gate_up, down, norm, residual)
     ref = _reference(x, gate_up, down, norm, residual)
-    runs = [persistent(x.clone(), gate_up, down, norm, residual) for _ in range(50)]
+    runs = [persistent(x.clone(), gate_up, down, norm, residual) for _ in range(repeats)]
     torch.cuda.synchronize()
     return {
         "max_rel_vs_two_launches": _rel(runs[0], want, "max"),
@@ -200,28 +208,135 @@ def layer_section(quick: bool) -> dict[str, Any]:
     return res
 
 
-def tiles_section() -> dict[str, Any]:
-    """seed-407m's layer at one row with the residual under each tile of TILE_SWEEP."""
+def parse_tile(spec: str) -> Any:
+    """A TILE_SWEEP entry as a PersistentMlpTile: positional integers, then field=value by name."""
     from tinyloop.kernels.policy import PersistentMlpTile
+
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    positional = [int(p) for p in parts if "=" not in p]
+    named: dict[str, Any] = {}
+    for p in parts:
+        if "=" in p:
+            key, value = p.split("=", 1)
+            if key not in PersistentMlpTile._fields:
+                raise ValueError(f"tile {spec!r}: no field {key!r} (fields: {', '.join(PersistentMlpTile._fields)})")
+            kind = type(PersistentMlpTile._field_defaults.get(key, 0))
+            named[key] = bool(int(value)) if kind is bool else kind(value)
+    return PersistentMlpTile(*positional, **named)
+
+
+def _emit(record: dict[str, Any]) -> None:
+    print("TILES " + json.dumps(record), flush=True)
+
+
+def tiles_child(jobs: list[str]) -> None:
+    """Child process of the tile sweep: for each job "ROWS:TILE" seed-407m's layer (with the residual) under that
+    tile against today's two launches measured in this process; one line per event, so the parent can tell which
+    variant never finished."""
+    from tinyloop.kernels import persistent_mlp
 
     base, on = _policies()
     gen = torch.Generator(device="cuda").manual_seed(0)
     layers = _layers(gen)
     two = _two_launches(base)
-    x = torch.randn(1, D_MODEL, device="cuda", generator=gen).bfloat16()
-    sweep: dict[str, Any] = {"two_launches_us": _chain_us(two, layers, x, True)}
-    for tile in TILE_SWEEP:
-        tiled = dataclasses.replace(on, persistent_mlp_tiles={(D_MODEL, FFN, 1): PersistentMlpTile(*tile)})
+    inputs: dict[int, torch.Tensor] = {}
+    for job in jobs:
+        rows_text, spec = job.split(":", 1)
+        rows = int(rows_text)
+        if rows not in inputs:
+            _emit({"start": f"two_launches_rows{rows}"})
+            inputs[rows] = torch.randn(rows, D_MODEL, device="cuda", generator=gen).bfloat16()
+            _emit({"baseline": rows, "two_launches_us": _chain_us(two, layers, inputs[rows], True)})
+        _emit({"start": job})
+        t = time.perf_counter()
+        res: dict[str, Any] = {}
         try:
+            tiled = dataclasses.replace(on, persistent_mlp_tiles={(D_MODEL, FFN, rows): parse_tile(spec)})
             mlp = _persistent(tiled)
-            sweep[str(tile)] = {"us": _chain_us(mlp, layers, x, True), **_check(mlp, two, layers[0], x, True)}
+            res = {"us": _chain_us(mlp, layers, inputs[rows], True), **_check(mlp, two, layers[0], inputs[rows],
+                                                                             True, repeats=10)}  # fmt: skip
         except Exception:
-            sweep[str(tile)] = {"error": traceback.format_exc()[-2000:]}
-        print("tile", tile, sweep[str(tile)], flush=True)
-    from tinyloop.kernels import persistent_mlp
+            res = {"error": traceback.format_exc()[-2000:]}
+        res["seconds"] = round(time.perf_counter() - t, 1)
+        _emit({"job": job, **res})
+    _emit({"programs_one_sm_holds": {str(k): v for k, v in persistent_mlp._RESIDENT.items()}})
 
-    sweep["programs_one_sm_holds"] = {str(k): v for k, v in persistent_mlp._RESIDENT.items()}
-    return sweep
+
+def tiles_section(specs: list[str], rows: list[int], total_s: float, job_s: float) -> dict[str, Any]:
+    """Each tile (at each row count) timed against the two launches, in child processes: a variant that does
+    not finish within `job_s` (a wait that never ends) is killed, recorded as hung, and the sweep goes on in a
+    new child; what the `total_s` cap leaves unrun is recorded as such."""
+    import select
+
+    t0 = time.perf_counter()
+    pending = [f"{r}:{spec}" for r in rows for spec in specs]
+    for spec in specs:
+        parse_tile(spec)  # a malformed entry fails here, before any child starts
+    res: dict[str, Any] = {"rows": rows, "cap_s": total_s, "job_s": job_s, "two_launches_us": {}, "variants": {}}
+    RESULTS["tiles"] = res
+    children = 0
+    while pending and time.perf_counter() - t0 < total_s:
+        children += 1
+        log = Path(f"/tmp/persistent_mlp_tiles_{children}.stderr")
+        with log.open("w") as err:
+            child = subprocess.Popen([sys.executable, __file__, "--tiles-child", *pending], stdout=subprocess.PIPE,
+                                     stderr=err)  # fmt: skip
+        assert child.stdout is not None
+        fd = child.stdout.fileno()
+        current: str | None = None
+        started, buf, ended = time.perf_counter(), b"", False
+        while not ended:
+            now = time.perf_counter()
+            wait = min(t0 + total_s, started + job_s) - now
+            if wait <= 0 or not select.select([fd], [], [], wait)[0]:  # the job's or the sweep's time is up
+                child.kill()
+                child.wait()
+                what = current or "child start"
+                over = "the sweep's time cap" if now >= t0 + total_s else f"no result in {job_s:.0f} s (a hang?)"
+                res["variants"][what] = {"error": over}
+                if what in pending:
+                    pending.remove(what)
+                break
+            chunk = os.read(fd, 1 << 16)
+            ended = not chunk  # the child exited; what it wrote is in buf
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for raw in lines:
+                line = raw.decode(errors="replace")
+                if not line.startswith("TILES "):
+                    continue
+                rec = json.loads(line[len("TILES ") :])
+                if "start" in rec:
+                    current, started = rec["start"], time.perf_counter()
+                elif "baseline" in rec:
+                    res["two_launches_us"].setdefault(str(rec["baseline"]), []).append(rec["two_launches_us"])
+                    current = None
+                elif "job" in rec:
+                    job = rec.pop("job")
+                    base = res["two_launches_us"].get(job.split(":", 1)[0], [None])[-1]
+                    if base and "us" in rec:
+                        rec["speedup_vs_two_launches"] = round(base / rec["us"], 3)
+                    res["variants"][job] = rec
+                    pending.remove(job)
+                    current = None
+                    print("tile", job, rec, flush=True)
+                    save()
+                else:
+                    res.update(rec)
+        if ended:
+            child.wait()
+            if current is not None:  # it died inside a job (a crash, not a hang)
+                tail = log.read_text()[-2000:]
+                res["variants"][current] = {"error": f"child exited {child.returncode} during it: {tail}"}
+                if current in pending:
+                    pending.remove(current)
+        if current is not None and current.startswith("two_launches"):
+            break  # the baseline itself did not finish: nothing to compare against
+    for job in pending:
+        res["variants"][job] = {"error": "not run: the sweep's time cap"}
+    res["children"] = children
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    return res
 
 
 def canary() -> None:
@@ -338,13 +453,37 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one row count in the layer section")
     ap.add_argument("--only", nargs="+", choices=SECTIONS, default=SECTIONS[:-1],
                     help="sections to run after the canary (default: all but ouro_decode)")  # fmt: skip
+    ap.add_argument(
+        "--tiles",
+        nargs="+",
+        default=TILE_SWEEP,
+        metavar="TILE",
+        help="tiles section: the variants, as 'GU_N,GU_B,SLICE,DN_N,WARPS[,PER_SM][,field=value...]'",
+    )
+    ap.add_argument("--tile-rows", nargs="+", type=int, default=[1], help="tiles section: row counts")
+    ap.add_argument("--tiles-seconds", type=float, default=TILES_SECONDS, help="tiles section: total time cap")
+    ap.add_argument(
+        "--tile-seconds",
+        type=float,
+        default=TILE_SECONDS,
+        help="tiles section: the longest one variant (compile included) may take before it counts as hung",
+    )
     ap.add_argument("--canary", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--tiles-child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/persistent_mlp.py: no CUDA device visible to torch; run it on the GPU machine")
     if args.canary:
         canary()
         return
+    if args.tiles_child:
+        tiles_child(args.tiles_child)
+        return
+    for spec in args.tiles:
+        try:
+            parse_tile(spec)
+        except (ValueError, TypeError) as exc:
+            sys.exit(f"bench/persistent_mlp.py: --tiles {spec!r}: {exc}")
     OUT = Path(args.out)
     # seed-407m's random weights are written while the kernels compile and run (the converter writes atomically).
     writer = None
@@ -352,8 +491,9 @@ def main() -> None:
         writer = subprocess.Popen([sys.executable, "-m", "tinyloop.cli.convert", "--random", "--preset", "seed-407m",
                                    "-o", SEED_PATH, "--bits", "4", "--quiet"])  # fmt: skip
     section("env", env_section)
-    section("canary", canary_section)
-    persistent_ok = bool(RESULTS.get("canary", {}).get("ok"))
+    if set(args.only) - {"tiles"}:  # the tile sweep guards each variant itself
+        section("canary", canary_section)
+    persistent_ok = bool(RESULTS.get("canary", {}).get("ok", set(args.only) == {"tiles"}))
     if persistent_ok and "layer" in args.only:
         section("layer", lambda: layer_section(args.quick))
     if writer is not None:
@@ -363,7 +503,7 @@ def main() -> None:
     if "builtin" in args.only:
         section("builtin", lambda: builtin_section(persistent_ok))
     if persistent_ok and "tiles" in args.only:
-        section("tiles", tiles_section)
+        section("tiles", lambda: tiles_section(args.tiles, args.tile_rows, args.tiles_seconds, args.tile_seconds))
     if "ouro_decode" in args.only:
         section("decode_ouro_shape", lambda: decode_section("ouro-1.4b-shape", OURO_PATH, 4, persistent_ok))
     print(json.dumps({k: v for k, v in RESULTS.items() if k != "layer"}, indent=1)[:6000])

@@ -99,6 +99,28 @@ def test_persistent_mlp_matches_the_two_launches_and_the_reference(
     assert torch.equal(again, got)
 
 
+# Scheduling options of the tile (kernels/policy.py PersistentMlpTile): items per ticket, items dealt statically.
+SCHEDULES = [{"tickets": 2}, {"tickets": 3}, {"static": True}, {"static": True, "tickets": 2}]
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
+def test_scheduling_options_give_the_same_result(schedule: dict[str, object]) -> None:
+    """One program takes the items in the same order whatever the schedule, so the split-K sums arrive in the
+    same order and the result is bit-identical to the ticket-per-item default; the scratch is left zero."""
+    d, f, group = SHAPES["builtin"]
+    gate_up, down, norm = _weights(d, f, group, seed=5)
+    x = torch.randn(2, d, generator=torch.Generator().manual_seed(9)).bfloat16()
+    norm = norm.bfloat16()
+    default = _policy("builtin", 2)
+    tile = INTERPRETER_TILES["builtin"]._replace(**schedule)
+    policy = KernelPolicy(persistent_decode=True, persistent_mlp_tiles={(d, f, 2): tile})
+    want = persistent_mlp.persistent_mlp(default, x, norm, EPS, gate_up, down, x.clone())
+    got = persistent_mlp.persistent_mlp(policy, x, norm, EPS, gate_up, down, x.clone())
+    assert torch.equal(got, want)
+    _, acc, sync = persistent_mlp._scratch(x, f, tile)
+    assert not acc.any() and not sync.any()
+
+
 def test_builtin_models_own_layer() -> None:
     """A body layer of the built-in model (its trained weights), one and two rows."""
     from tinyloop.builtin import resolve_model

@@ -125,15 +125,15 @@ def persistent_mlp(
     options: dict[str, Any] = dict(
         GROUP=down.group_size, BLOCK=down.block, RESIDUAL=residual is not None, ROWS=triton.next_power_of_2(M),
         GU_N=tile.gate_up_rows, GU_B=tile.gate_up_blocks, SLICE=tile.slice, DN_N=tile.down_rows,
-        num_warps=tile.warps, **policy.pdl_options(),
+        TICKETS=tile.tickets, STATIC=tile.static, num_warps=tile.warps, **policy.pdl_options(),
     )  # fmt: skip
     if x.is_cuda:
         index = x.device.index or 0
         per_sm = tile.programs_per_sm
         if per_sm > 1:
             per_sm = min(per_sm, _resident_per_sm((*args, n_items), options, index))
-        programs = min(n_items, per_sm * _sm_count(index))
-    else:
-        programs = min(n_items, INTERPRETER_PROGRAMS)
+        programs = min(triton.cdiv(n_items, tile.tickets), per_sm * _sm_count(index))
+    else:  # statically dealt items need every program running at once: one program takes them all
+        programs = 1 if tile.static else min(triton.cdiv(n_items, tile.tickets), INTERPRETER_PROGRAMS)
     _persistent_mlp_kernel[(programs,)](*args, programs, **options)
     return out

@@ -21,7 +21,9 @@ Shape = tuple[int, int, int]  # (N, K, rows) or (N, K, act)
 class PersistentMlpTile(NamedTuple):
     """Work items of the persistent MLP kernel (kernels/triton_persistent_mlp.py): ffn features per gate / up
     item and 64-column blocks per step of its loop over d_model; the down projection's K slice (ffn features)
-    and output rows per down item; warps per program, and programs per SM (at most what fits one SM)."""
+    and output rows per down item; warps per program, and programs per SM (at most what fits one SM); items
+    per ticket (one ticket atomic per `tickets` items); `static`: no ticket counter, items dealt round-robin to
+    the programs (all of them resident, which the launcher ensures)."""
 
     gate_up_rows: int
     gate_up_blocks: int
@@ -29,6 +31,8 @@ class PersistentMlpTile(NamedTuple):
     down_rows: int
     warps: int
     programs_per_sm: int = 1
+    tickets: int = 1
+    static: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,16 @@
 """The MLP sublayer of one decode step (1-4 rows) as work items of one persistent Triton kernel
 (docs/DECODE_DATAFLOW.md, step 1): RMSNorm + gate / up + SwiGLU, then the down projection (+ residual).
 
-Items, in topological order, taken from a ticket counter by whichever program is free:
+Items, in topological order, taken from a ticket counter by whichever program is free (or, with STATIC,
+round-robin by program):
 - gate / up item t: rows t * GU_N.. of gate and of up over all of x (the norm's mean square computed on the
   way), SwiGLU into h[:, those features]; then one arrival on its K slice's ready counter.
 - down item (s, n): output rows n * DN_N.. times h's K slice s (SLICE features). Its weights are loaded
   before it waits for the slice's gate / up items; its float32 partial sum goes into acc by atomics, and the
   last of the n_slices items of an output tile takes the sum (zeroing acc), adds the residual and rounds.
 An item only waits on items with smaller tickets, which running programs hold, so nothing deadlocks; and run
-one program at a time (Triton's interpreter) no item ever waits, so the CPU tests run this same code.
+one program at a time (Triton's interpreter; one program in all with STATIC) no item ever waits, so the CPU
+tests run this same code.
 Every launch leaves its counters and acc zero for the next one (the last program out resets the ticket).
 """
 
@@ -166,27 +168,42 @@ def _persistent_mlp_kernel(
     GU_B: tl.constexpr,
     SLICE: tl.constexpr,
     DN_N: tl.constexpr,
+    TICKETS: tl.constexpr,
+    STATIC: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out = down(SwiGLU(rmsnorm(x) @ gate_up.T)) (+ residual) for x [M, D], gate_up [2F, D] and down [D, F] in
     the blocked INT4 layout; h [M, F] (x's dtype), acc [M, D] float32 (zero) and sync (zero) are scratch.
-    `out` may be the residual itself: its tiles are written after every item has read x."""
+    `out` may be the residual itself: its tiles are written after every item has read x.
+    TICKETS: consecutive items per ticket (one atomic per TICKETS items). STATIC: no ticket counter, program p
+    takes items p, p + n_programs, ... (TICKETS at a time), which needs every program resident at once: a
+    program waits on items of programs that may not have started (one program in the interpreter)."""
     n_gate_up = tl.cdiv(F, GU_N)
     n_slices = F // SLICE
     n_out = tl.cdiv(D, DN_N)
     n_items = n_gate_up + n_slices * n_out
     _wait_for_previous_kernel(PDL)
-    item = tl.atomic_add(sync_ptr + TICKET, 1, sem="relaxed")
+    if STATIC:
+        item = tl.program_id(0) * TICKETS
+    else:
+        item = tl.atomic_add(sync_ptr + TICKET, TICKETS, sem="relaxed")
     while item < n_items:
-        if item < n_gate_up:
-            _gate_up_item(item, x_ptr, stride_xm, nw_ptr, eps, gu_ptr, gu_s_ptr, gu_m_ptr, h_ptr, stride_hm, sync_ptr,
-                          M, F, D, GROUP, BLOCK, ROWS, GU_N, GU_B, SLICE)  # fmt: skip
+        # A program runs its items in ascending order, so the smallest unfinished item is always running
+        # and everything it waits on is done: no deadlock while every program is resident.
+        for k in tl.static_range(TICKETS):
+            if item + k < n_items:
+                if item + k < n_gate_up:
+                    _gate_up_item(item + k, x_ptr, stride_xm, nw_ptr, eps, gu_ptr, gu_s_ptr, gu_m_ptr, h_ptr,
+                                  stride_hm, sync_ptr, M, F, D, GROUP, BLOCK, ROWS, GU_N, GU_B, SLICE)  # fmt: skip
+                else:
+                    d = item + k - n_gate_up  # slice-major: the earliest slices' items come first
+                    _down_item(d // n_out, d % n_out, h_ptr, stride_hm, dn_ptr, dn_s_ptr, dn_m_ptr, acc_ptr,
+                               out_ptr, stride_om, res_ptr, stride_rm, sync_ptr, M, F, D, n_slices, GROUP, BLOCK,
+                               ROWS, GU_N, SLICE, DN_N, RESIDUAL)  # fmt: skip
+        if STATIC:
+            item += n_programs * TICKETS
         else:
-            d = item - n_gate_up  # slice-major: the earliest slices' items come first
-            _down_item(d // n_out, d % n_out, h_ptr, stride_hm, dn_ptr, dn_s_ptr, dn_m_ptr, acc_ptr, out_ptr,
-                       stride_om, res_ptr, stride_rm, sync_ptr, M, F, D, n_slices, GROUP, BLOCK, ROWS, GU_N, SLICE,
-                       DN_N, RESIDUAL)  # fmt: skip
-        item = tl.atomic_add(sync_ptr + TICKET, 1, sem="relaxed")
+            item = tl.atomic_add(sync_ptr + TICKET, TICKETS, sem="relaxed")
     # The last program out finds every item done and resets the counters for the next launch (or replay).
     if tl.atomic_add(sync_ptr + EXITS, 1, sem="acq_rel") == n_programs - 1:
         for i in range(0, n_slices):
