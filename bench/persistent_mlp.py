@@ -19,7 +19,11 @@ Sections, in this order (each saves the JSON so far; a failing one records its t
   raw decode step without sampling), and the greedy tokens of both.
 - builtin: the built-in model's greedy tokens (32 at 8 loops, two prompts) on the GPU with and without the
   persistent kernel against the CPU path.
-- tiles: seed-407m's layer at one row under a few tiles of the persistent kernel.
+- tiles: seed-407m's layer (with the residual) at one row (--tile-rows) under each tile / option set of
+  TILE_SWEEP (or --tiles), each checked against and timed against the two launches measured in the same child
+  process; the variants run in a child process that the parent watches: one that takes longer than
+  --tile-seconds (a wait that never ends) is killed and recorded, and the sweep goes on in a new child, until
+  --tiles-seconds (150 s) are spent. `--only tiles` runs no canary (the sweep guards itself).
 - ouro_decode (only when named): the Ouro-1.4B shape decoding at 4 loops, as decode (writes 1.4B random weights).
 About 5-8 minutes on an H100 from a cold Triton cache, most of it compiling; split it with --only when a call's
 time is short (e.g. `--only layer` then `--only decode builtin tiles`).
@@ -55,11 +59,13 @@ SECTIONS = ["layer", "decode", "builtin", "tiles", "ouro_decode"]
 # Tile variants of `--only tiles`, "GU_N,GU_B,SLICE,DN_N,WARPS[,PER_SM][,field=value ...]" (kernels/policy.py
 # PersistentMlpTile: gate / up rows, blocks per step, K slice, down rows, warps, programs per SM, then any field by
 # name, e.g. tickets=2 or static=1), in the order they run (the sweep stops at its time cap): the default first.
+_NEW = "mask_in_register=1,h_float32=1"  # the options that change no result
 TILE_SWEEP = [
-    "32,8,256,128,8", "32,8,256,128,8,1,static=1", "32,8,256,128,8,1,tickets=2",
-    "16,4,256,32,8,3", "16,4,256,32,8,3,static=1", "16,4,256,32,8,3,tickets=2", "16,4,256,32,8,2,static=1",
-    "16,8,256,64,4,2", "16,8,256,64,4,2,static=1", "16,4,256,64,4,2,static=1",
-    "16,8,256,128,8", "32,8,128,256,8", "64,4,256,64,8", "16,4,256,32,8",
+    "32,8,256,128,8", f"32,8,256,128,8,1,{_NEW}", f"32,8,256,128,8,1,{_NEW},x_prologue=1",
+    f"32,8,256,128,8,1,{_NEW},x_prologue=1,static=1", f"32,8,256,128,8,2,{_NEW}", "32,8,256,128,8,1,static=1",
+    "32,8,256,128,8,1,tickets=2", "16,4,256,32,8,3", f"16,4,256,32,8,3,{_NEW},x_prologue=1",
+    f"16,4,256,32,8,3,{_NEW},x_prologue=1,static=1", f"16,4,256,32,8,3,{_NEW},static=1",
+    f"16,8,256,64,4,2,{_NEW},x_prologue=1", f"64,4,256,64,8,1,{_NEW},x_prologue=1", f"32,8,128,256,8,1,{_NEW}",
 ]  # fmt: skip
 TILES_SECONDS, TILE_SECONDS = 150.0, 45.0
 

@@ -24,10 +24,11 @@ from tinyloop.log import info
 from tinyloop.quant import BlockedInt4Weight
 
 INTERPRETER_PROGRAMS = 2
+NIBBLE_MASK = 0x00780000  # a nibble's place under float32's exponent of 1.0 (triton_matmul._blocked_f)
 
-# (device, rows, d_model, ffn, dtype, tile) -> (h, acc, sync): every launch leaves acc and sync zero, so one set
-# serves every layer of a step and every replay of a captured graph (launches on one stream run in order).
-_SCRATCH: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+# (device, rows, d_model, ffn, dtype, tile, block) -> (h, acc, sync, xn): every launch leaves acc and sync zero, so
+# one set serves every layer of a step and every replay of a captured graph (launches on one stream run in order).
+_SCRATCH: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
 @functools.cache
@@ -82,15 +83,20 @@ def persistent_mlp_applies(policy: KernelPolicy, x: torch.Tensor, gate_up: objec
     )
 
 
-def _scratch(x: torch.Tensor, F: int, tile: PersistentMlpTile) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _scratch(
+    x: torch.Tensor, F: int, tile: PersistentMlpTile, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h, acc, sync, and xn (the prologue's x * g, block sums and 1 / rms(x); one element without it)."""
     M, D = x.shape
-    key = (x.device, M, D, F, x.dtype, tile)
+    key = (x.device, M, D, F, x.dtype, tile, block)
     if key not in _SCRATCH:
-        counters = READY + F // tile.slice + triton.cdiv(D, tile.down_rows)
+        counters = READY + F // tile.slice + triton.cdiv(D, tile.down_rows) + 1
+        xn = M * (D + D // block + 1) if tile.x_prologue else 1
         _SCRATCH[key] = (
-            torch.empty((M, F), dtype=x.dtype, device=x.device),
+            torch.empty((M, F), dtype=torch.float32 if tile.h_float32 else x.dtype, device=x.device),
             torch.zeros((M, D), dtype=torch.float32, device=x.device),
             torch.zeros(counters, dtype=torch.int32, device=x.device),
+            torch.empty(xn, dtype=torch.float32, device=x.device),
         )
     return _SCRATCH[key]
 
@@ -117,23 +123,27 @@ def persistent_mlp(
     else:
         out = torch.empty((M, D), dtype=x.dtype, device=x.device)
     res = residual if residual is not None else out
-    h, acc, sync = _scratch(x, F, tile)
-    n_items = triton.cdiv(F, tile.gate_up_rows) + (F // tile.slice) * triton.cdiv(D, tile.down_rows)
+    h, acc, sync, xn = _scratch(x, F, tile, down.block)
+    n_items = (
+        int(tile.x_prologue) + triton.cdiv(F, tile.gate_up_rows) + (F // tile.slice) * triton.cdiv(D, tile.down_rows)
+    )
     args = (x, norm_weight, gate_up.packed.view(torch.int32), gate_up.scale, gate_up.minimum,
-            down.packed.view(torch.int32), down.scale, down.minimum, h, acc, out, res, sync,
-            M, F, D, eps, x.stride(0), h.stride(0), out.stride(0), res.stride(0))  # fmt: skip
+            down.packed.view(torch.int32), down.scale, down.minimum, h, acc, out, res, sync, xn,
+            M, F, D, eps, x.stride(0), h.stride(0), out.stride(0), res.stride(0), D // 8, D // down.group_size,
+            F // 8, F // down.group_size)  # fmt: skip
     options: dict[str, Any] = dict(
         GROUP=down.group_size, BLOCK=down.block, RESIDUAL=residual is not None, ROWS=triton.next_power_of_2(M),
         GU_N=tile.gate_up_rows, GU_B=tile.gate_up_blocks, SLICE=tile.slice, DN_N=tile.down_rows,
-        TICKETS=tile.tickets, STATIC=tile.static, num_warps=tile.warps, **policy.pdl_options(),
+        TICKETS=tile.tickets, STATIC=tile.static, XPRO=int(tile.x_prologue), MASK_ARG=tile.mask_in_register,
+        H32=tile.h_float32, num_warps=tile.warps, **policy.pdl_options(),
     )  # fmt: skip
     if x.is_cuda:
         index = x.device.index or 0
         per_sm = tile.programs_per_sm
         if per_sm > 1:
-            per_sm = min(per_sm, _resident_per_sm((*args, n_items), options, index))
+            per_sm = min(per_sm, _resident_per_sm((*args, n_items, NIBBLE_MASK), options, index))
         programs = min(triton.cdiv(n_items, tile.tickets), per_sm * _sm_count(index))
     else:  # statically dealt items need every program running at once: one program takes them all
         programs = 1 if tile.static else min(triton.cdiv(n_items, tile.tickets), INTERPRETER_PROGRAMS)
-    _persistent_mlp_kernel[(programs,)](*args, programs, **options)
+    _persistent_mlp_kernel[(programs,)](*args, programs, NIBBLE_MASK, **options)
     return out

@@ -23,7 +23,11 @@ class PersistentMlpTile(NamedTuple):
     item and 64-column blocks per step of its loop over d_model; the down projection's K slice (ffn features)
     and output rows per down item; warps per program, and programs per SM (at most what fits one SM); items
     per ticket (one ticket atomic per `tickets` items); `static`: no ticket counter, items dealt round-robin to
-    the programs (all of them resident, which the launcher ensures)."""
+    the programs (all of them resident, which the launcher ensures); `x_prologue`: one item first writes x times
+    the norm's gain in float32, its block sums and 1 / rms(x), which the gate / up items read instead of each
+    converting and scaling x itself; `mask_in_register`: the nibble mask as a run-time value (one logic op per
+    weight instead of two); `h_float32`: the SwiGLU output h (the same rounded values) kept in float32, which the
+    down items load in their weights' register layout (bfloat16 h: a shared-memory shuffle per nibble)."""
 
     gate_up_rows: int
     gate_up_blocks: int
@@ -33,6 +37,9 @@ class PersistentMlpTile(NamedTuple):
     programs_per_sm: int = 1
     tickets: int = 1
     static: bool = False
+    x_prologue: bool = False
+    mask_in_register: bool = False
+    h_float32: bool = False
 
 
 @dataclass(frozen=True)
