@@ -293,12 +293,14 @@ def tiles_section(specs: list[str], rows: list[int], total_s: float, job_s: floa
         started, buf, ended = time.perf_counter(), b"", False
         while not ended:
             now = time.perf_counter()
-            wait = min(t0 + total_s, started + job_s) - now
+            limit = job_s if current and not current.startswith("two_launches") else 2 * job_s  # + CUDA start-up
+            wait = min(t0 + total_s, started + limit) - now
             if wait <= 0 or not select.select([fd], [], [], wait)[0]:  # the job's or the sweep's time is up
                 child.kill()
                 child.wait()
+                now = time.perf_counter()
                 what = current or "child start"
-                over = "the sweep's time cap" if now >= t0 + total_s else f"no result in {job_s:.0f} s (a hang?)"
+                over = "the sweep's time cap" if now >= t0 + total_s else f"no result in {limit:.0f} s (a hang?)"
                 res["variants"][what] = {"error": over}
                 if what in pending:
                     pending.remove(what)
