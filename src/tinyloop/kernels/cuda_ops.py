@@ -87,7 +87,7 @@ def _gemv_staged(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ou
     )
 
     (M, K), N = x.shape, out.shape[1]
-    if M > policy.staged_gemv_max_rows or not policy.staged_applies(N, K, flags["ACT"]):
+    if not policy.staged_applies(N, K, flags["ACT"], M):
         return False
     words = w.packed.view(torch.int32)
     aligned = all(t.data_ptr() % 16 == 0 for t in (words, w.scale, w.minimum))

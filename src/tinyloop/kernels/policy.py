@@ -225,11 +225,15 @@ class KernelPolicy:
             splits *= 2
         return (splits, *self.split_attention_tile)
 
-    def staged_applies(self, n: int, k: int, act: int) -> bool:
-        """Whether an (N, K, act) product takes the staged GEMV (where `staged_gemv` is on). Rule: the
-        wide products of a layer (N > K: QKV, gate / up) of models with K >= 2048, not a vocabulary head; on
+    def staged_applies(self, n: int, k: int, act: int, rows: int = 1) -> bool:
+        """Whether an (N, K, act) product of `rows` rows takes the staged GEMV (where `staged_gemv` is on). Rule:
+        the wide products of a layer (N > K: QKV, gate / up) of models with K >= 2048, not a vocabulary head; on
         seed-407m that is QKV and gate / up, which staged 75.0-75.3 ms against 76.3-76.7 with none (H200, 64
-        decode steps at 8 loops); staging all four layer products did not help (75.2-75.4)."""
+        decode steps at 8 loops); staging all four layer products did not help (75.2-75.4). Up to
+        `staged_gemv_max_rows` rows, but SwiGLU only for one: at two its halves take 254 registers a thread, so
+        the next kernel cannot stage beside it (H100 batch-2 step 1.713 ms with it against 1.659 without)."""
+        if rows > self.staged_gemv_max_rows or (rows > 1 and act == ACT_SWIGLU):
+            return False
         if self.staged_shapes is not None:
             return (n, k, act) in self.staged_shapes
         return act != ACT_GELU and STAGED_MIN_K <= k < n < VOCABULARY_MIN_N
