@@ -99,7 +99,7 @@ class KernelPolicy:
     # ~40 KB in flight (its 25 GB/s share of 3.35 TB/s times ~1.5 us of DRAM latency), so two streaming programs
     # per SM, four to cover those in their fixed work (RoPE, merging the splits). Past that a split only adds
     # fixed work: 1 split from 32 rows of 16 heads; 16 splits of 64 keys cover 1,024 positions a block each, and
-    # cost a shorter cache nothing (splits past its keys end at once). Not yet measured: bench/attention_batched.py.
+    # cost a shorter cache little (splits past its keys end after one load). Unmeasured: bench/attention_batched.py.
     split_attention_programs: int = 528
     split_attention_max_splits: int = 16
     # (keys per block, warps) of those programs, at any split count: 96-128 registers a thread (sm_90a, bf16
