@@ -62,11 +62,12 @@ SECTIONS = ["layer", "decode", "builtin", "tiles", "ouro_decode"]
 _NEW = "mask_in_register=1,h_float32=1"  # the options that change no result
 TILE_SWEEP = [
     "32,8,256,128,8", f"32,8,256,128,8,1,{_NEW}", f"32,8,256,128,8,1,{_NEW},x_prologue=1",
-    f"32,8,256,128,16,1,{_NEW},x_prologue=1", f"32,8,256,128,32,1,{_NEW},x_prologue=1", f"32,8,256,128,16,1,{_NEW}",
-    f"32,8,256,128,8,2,{_NEW},x_prologue=1", "32,8,256,128,32",
-    f"32,8,256,128,16,1,{_NEW},x_prologue=1,static=1", f"16,4,256,32,8,3,{_NEW},x_prologue=1",
-    f"16,4,256,32,8,3,{_NEW},x_prologue=1,static=1", "16,4,256,32,8,3", "32,8,256,128,16", "32,8,256,128,8,1,static=1",
-    "32,8,256,128,8,1,tickets=2", f"16,16,256,64,8,1,{_NEW},x_prologue=1", f"16,8,256,64,4,2,{_NEW},x_prologue=1",
+    f"32,8,256,128,16,1,{_NEW},x_prologue=1", f"32,8,256,128,32,1,{_NEW},x_prologue=1",
+    f"32,8,256,256,32,1,{_NEW},x_prologue=1", f"32,8,256,128,16,1,{_NEW}", f"32,8,256,128,8,2,{_NEW},x_prologue=1",
+    "32,8,256,128,32", f"32,8,256,128,16,1,{_NEW},x_prologue=1,static=1", f"32,8,256,256,16,1,{_NEW},x_prologue=1",
+    f"16,4,256,32,8,3,{_NEW},x_prologue=1", f"16,4,256,32,8,3,{_NEW},x_prologue=1,static=1", "16,4,256,32,8,3",
+    "32,8,256,128,16", "32,8,256,128,8,1,static=1", "32,8,256,128,8,1,tickets=2",
+    f"16,16,256,64,8,1,{_NEW},x_prologue=1", f"16,8,256,64,4,2,{_NEW},x_prologue=1",
     f"64,4,256,64,8,1,{_NEW},x_prologue=1", f"32,8,128,256,8,1,{_NEW}",
 ]  # fmt: skip
 TILES_SECONDS, TILE_SECONDS = 150.0, 45.0
