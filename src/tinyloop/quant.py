@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -120,14 +121,22 @@ class BlockedInt4Weight(Int4Weight):
 class CpuInt4Weight(Int4Weight):
     """An Int4Weight also held for bfloat16 compute on the CPU (kernels/cpu_int4.py): `tinygemm` in the layout
     of torch's CPU INT4 kernel, which computes with (q - 8) * scale + zero from bfloat16 `scales_zeros`
-    (zero = minimum + 8 * scale), and `dense`, the bfloat16 matrix that calls of many rows multiply with."""
+    (zero = minimum + 8 * scale), and `many_rows`, the bfloat16 matrix that calls of many rows multiply with
+    (plain [out, in], or in the layout `many_rows_layout` gave it at packing, e.g. oneDNN's reordered one).
+    `table`: the plain bfloat16 matrix, kept only for a table whose rows are looked up (the embedding)."""
 
     tinygemm: torch.Tensor  # [out, in / 2] uint8
     scales_zeros: torch.Tensor  # [in / G, out, 2] bfloat16
-    dense: torch.Tensor  # [out, in] bfloat16, = Int4Weight.dequantize(bfloat16)
+    many_rows: torch.Tensor  # Int4Weight.dequantize(bfloat16), plain or reordered
+    table: torch.Tensor | None = None  # [out, in] bfloat16, = Int4Weight.dequantize(bfloat16)
 
     @classmethod
-    def from_int4(cls, w: Int4Weight) -> CpuInt4Weight:
+    def from_int4(
+        cls,
+        w: Int4Weight,
+        many_rows_layout: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        table: bool = False,
+    ) -> CpuInt4Weight:
         if type(w) is not Int4Weight or w.packed.device.type != "cpu":
             raise ValueError(f"the CPU INT4 layout repacks a plain Int4Weight on the CPU, got {type(w).__name__}")
         codes = w.codes(w.packed).to(torch.int32)  # [out, in]
@@ -135,11 +144,21 @@ class CpuInt4Weight(Int4Weight):
         scale, minimum = w.scale.to(torch.float32), w.minimum.to(torch.float32)
         scales_zeros = torch.stack((scale.t(), (minimum + 8 * scale).t()), dim=-1).to(torch.bfloat16).contiguous()
         dense = w.dequantize(torch.bfloat16).contiguous()
-        return cls(w.packed, w.scale, w.minimum, w.group_size, tinygemm, scales_zeros, dense)
+        many_rows = dense if many_rows_layout is None else many_rows_layout(dense)
+        kept = dense if table or many_rows is dense else None
+        return cls(w.packed, w.scale, w.minimum, w.group_size, tinygemm, scales_zeros, many_rows, kept)
+
+    @property
+    def dense(self) -> torch.Tensor:
+        """The plain bfloat16 matrix [out, in] (= Int4Weight.dequantize(bfloat16)): kept, or made again."""
+        if self.table is not None:
+            return self.table
+        return Int4Weight.dequantize(self, torch.bfloat16)
 
     @property
     def nbytes(self) -> int:
-        return super().nbytes + self.tinygemm.nbytes + self.scales_zeros.nbytes + self.dense.nbytes
+        extra = self.many_rows.nbytes + (0 if self.table is None or self.table is self.many_rows else self.table.nbytes)
+        return super().nbytes + self.tinygemm.nbytes + self.scales_zeros.nbytes + extra
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.dense if dtype == torch.bfloat16 else super().dequantize(dtype)

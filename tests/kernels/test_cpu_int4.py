@@ -7,7 +7,7 @@ import torch
 
 from helpers import frob_rel_error
 from shared_data import unavailable
-from tinyloop.kernels import cpu_int4
+from tinyloop.kernels import cpu_int4, cpu_onednn
 from tinyloop.kernels.dispatch import embedding, linear, weight_kind
 from tinyloop.quant import BlockedInt4Weight, CpuInt4Weight, Int4Weight, quantize_int4
 
@@ -90,3 +90,24 @@ def test_linear_keeps_the_input_dtype_and_shape() -> None:
     y = linear(x, w)
     assert y.dtype == torch.float32 and y.shape == (2, 3, 64)
     assert frob_rel_error(y, x.double() @ w.dequantize(torch.float64).T) <= KERNEL_TOL
+
+
+def test_many_rows_products_round_a_row_alike_whatever_rows_come_with_it() -> None:
+    """Past INT4_MAX_ROWS the bfloat16 copy multiplies (reordered once for oneDNN where torch has it): a row's
+    product is the same in a call of 9 rows as of 200, and equals F.linear on the plain copy."""
+    w = cpu_int4.pack(_int4(64, 256, 64, seed=8))
+    x = torch.randn(200, 256, generator=torch.Generator().manual_seed(9))
+    whole = cpu_int4.matmul(x, w)
+    for lo, hi in ((0, 9), (50, 90), (191, 200)):
+        assert torch.equal(cpu_int4.matmul(x[lo:hi], w), whole[lo:hi])
+    assert torch.equal(whole, torch.nn.functional.linear(x.bfloat16(), w.dense))
+    assert frob_rel_error(whole, x.double() @ w.dequantize(torch.float64).T) <= KERNEL_TOL
+
+
+def test_only_a_lookup_table_keeps_its_plain_copy() -> None:
+    plain = _int4(32, 128, 64, seed=10)
+    table, matrix = cpu_int4.pack(plain, table=True), cpu_int4.pack(plain)
+    assert table.table is not None and torch.equal(table.dense, matrix.dense)
+    assert torch.equal(matrix.dense, plain.dequantize(torch.bfloat16))
+    if cpu_onednn.available():  # the matrix is kept reordered alone
+        assert matrix.table is None and matrix.many_rows.is_mkldnn and table.nbytes > matrix.nbytes

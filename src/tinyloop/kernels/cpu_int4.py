@@ -5,8 +5,10 @@ in a small machine's L3; its 4-bit codes (3.5 MB) do. torch's CPU INT4 kernel ha
 bfloat16 activations only (float32 and float16 take a scalar path ~30x slower), so a call rounds its input
 to bfloat16 and returns the product in the input's dtype: activations, norms, attention and the KV cache
 stay float32, where small CPU ops are fastest. Above `INT4_MAX_ROWS` rows the dense bfloat16 copy is
-faster (still ~2x float32's GEMM at 128 rows). `tinyloop.Model(..., dtype=torch.bfloat16)` selects this on
-the CPU (runtime/loader.py).
+faster (still ~2x float32's GEMM at 128 rows); it is kept in oneDNN's reordered layout where torch has oneDNN
+(kernels/cpu_onednn.py), which gives F.linear's products bit for bit without reordering the matrix every call
+(a 28-token prefill's products: 30 % less time). `tinyloop.Model(..., dtype=torch.bfloat16)` selects this
+on the CPU (runtime/loader.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tinyloop.kernels import cpu_onednn
 from tinyloop.kernels.dispatch import register_embedding_kernel, register_linear_kernel
 from tinyloop.quant import CpuInt4Weight, Int4Weight
 
@@ -34,10 +37,12 @@ def packable(w: Int4Weight) -> bool:
     return type(w) is Int4Weight and w.packed.device.type == "cpu" and w.shape[0] % _COLUMN_BLOCK == 0 and available()
 
 
-def pack(w: Int4Weight) -> CpuInt4Weight:
-    """w in the CPU INT4 layout, with the matmul and lookup kernels routed to it."""
+def pack(w: Int4Weight, table: bool = False) -> CpuInt4Weight:
+    """w in the CPU INT4 layout, with the matmul and lookup kernels routed to it. table: also keep the plain
+    bfloat16 matrix, for row lookups (the embedding)."""
     install()
-    return CpuInt4Weight.from_int4(w)
+    layout = cpu_onednn.reorder if cpu_onednn.available() else None
+    return CpuInt4Weight.from_int4(w, many_rows_layout=layout, table=table)
 
 
 def input_columns(w: CpuInt4Weight, start: int, stop: int) -> CpuInt4Weight | torch.Tensor:
@@ -51,7 +56,7 @@ def input_columns(w: CpuInt4Weight, start: int, stop: int) -> CpuInt4Weight | to
         w.minimum[:, start // g : stop // g].contiguous(),
         g,
     )
-    return CpuInt4Weight.from_int4(part)
+    return pack(part)
 
 
 def matmul(x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
@@ -59,7 +64,9 @@ def matmul(x: torch.Tensor, w: CpuInt4Weight) -> torch.Tensor:
     xb = x.to(torch.bfloat16).contiguous()
     if x.shape[0] <= INT4_MAX_ROWS:
         return torch._weight_int4pack_mm_for_cpu(xb, w.tinygemm, w.group_size, w.scales_zeros)
-    return F.linear(xb, w.dense)
+    if w.many_rows.is_mkldnn:
+        return cpu_onednn.product(xb, w.many_rows)
+    return F.linear(xb, w.many_rows)
 
 
 def _linear(x: torch.Tensor, w: object) -> torch.Tensor:

@@ -37,7 +37,18 @@ class OneDnnMatrix:
 def pack(w: torch.Tensor) -> OneDnnMatrix:
     """w ([out, in] float32 on the CPU, any strides) reordered for PACKED_FOR_ROWS-row products."""
     dense = w.detach().to(torch.float32).contiguous()
-    return OneDnnMatrix(torch.ops.mkldnn._reorder_linear_weight(dense, PACKED_FOR_ROWS), dense.shape)
+    return OneDnnMatrix(reorder(dense), dense.shape)
+
+
+def reorder(w: torch.Tensor) -> torch.Tensor:
+    """w ([out, in] on the CPU, its dtype kept) in oneDNN's blocked layout for PACKED_FOR_ROWS-row products: an
+    opaque tensor for `product`."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), PACKED_FOR_ROWS)
+
+
+def product(x: torch.Tensor, reordered: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] @ w.T -> a new [rows, out] tensor, w as `reorder` returned it (x in its dtype)."""
+    return torch.ops.mkldnn._linear_pointwise(x, reordered, None, "none", [], "")
 
 
 def matmul(x: torch.Tensor, w: OneDnnMatrix, bias: torch.Tensor | None = None) -> torch.Tensor:

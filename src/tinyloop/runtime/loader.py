@@ -86,7 +86,7 @@ def _prepare(
             out[name] = _kernel_layout(w.to(device))
             continue
         if int4_matmuls and device.type == "cpu" and isinstance(w, Int4Weight) and cpu_int4.packable(w):
-            out[name] = cpu_int4.pack(w)
+            out[name] = cpu_int4.pack(w, table=name == "embed.weight")
             continue
         if device.type == "cpu" and dtype == torch.float32 and type(w) is Int4Weight and name != "embed.weight":
             out[name] = dequantize_int4_cpu(w)
