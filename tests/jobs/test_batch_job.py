@@ -8,12 +8,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import tinyloop
 from shared_data import require_module
 from tinyloop.cli.main import main
 from tinyloop.jobs import JobSettings
 from tinyloop.jobs.local import ERRORS, iter_results, run_job
+from tinyloop.jobs.tasks import TaskRunner
 
 require_module("pyarrow")
 SEQ = 128
@@ -90,6 +92,24 @@ def test_200_mixed_rows_equal_generate_row_by_row_and_bad_rows_go_to_the_errors_
     for e in errors:
         assert BAD[e["row"]][1] in e["reason"], e
     assert errors[0]["id"] == "no-prompt"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_slots_sized_to_the_rows_give_what_each_row_gives_alone(dtype: torch.dtype) -> None:
+    """The job's slots hold its rows' prompt + max_tokens (rounded up to the span bucket), not the model's
+    max_seq_len: 8-row steps over rows whose attended spans cross several buckets equal generate alone."""
+    model = tinyloop.Model("tiny", max_seq_len=256, dtype=dtype)
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(1, 256, int(n)).tolist() for n in rng.integers(9, 70, 10)]
+    runner = TaskRunner(model, JobSettings(max_tokens=20, loops=2, max_batch=8))
+    try:
+        results, errors = runner.run([(i, {"tokens": p}) for i, p in enumerate(prompts)])
+        assert errors == [] and runner._scheduler_seq == -(-(max(map(len, prompts)) + 20) // 16) * 16 < 256
+        alone = [model.generate(np.asarray(p, np.int32), 20, 2, 0.0).tolist() for p in prompts]
+    finally:
+        runner.close()
+        model.close()
+    assert [r["tokens"] for r in results] == alone
 
 
 def test_interrupted_job_resumes_to_the_same_output(model, tmp_path) -> None:
