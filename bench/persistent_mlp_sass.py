@@ -36,7 +36,7 @@ DEFAULT_TILES = [
 # PersistentMlpTile's fields (kernels/policy.py) -> the kernel's compile-time arguments
 POSITIONAL = ["GU_N", "GU_B", "SLICE", "DN_N", "num_warps", "programs_per_sm"]
 NAMED = {"tickets": "TICKETS", "static": "STATIC", "x_prologue": "XPRO", "mask_in_register": "MASK_ARG",
-         "h_float32": "H32"}  # fmt: skip
+         "h_float32": "H32", "prefetch_next": "PREFETCH"}  # fmt: skip
 
 
 def kernel_module() -> types.ModuleType:
@@ -52,7 +52,8 @@ def kernel_module() -> types.ModuleType:
 
 
 def parse_tile(spec: str) -> dict[str, Any]:
-    values: dict[str, Any] = {"TICKETS": 1, "STATIC": False, "XPRO": 0, "MASK_ARG": False, "H32": False}
+    values: dict[str, Any] = {"TICKETS": 1, "STATIC": False, "XPRO": 0, "MASK_ARG": False, "H32": False,
+                              "PREFETCH": False}  # fmt: skip
     positional = [p.strip() for p in spec.split(",") if p.strip() and "=" not in p]
     for key, text in zip(POSITIONAL, positional, strict=False):
         values[key] = int(text)
@@ -79,7 +80,8 @@ def compile_tile(module: types.ModuleType, spec: str, rows: int) -> dict[str, An
     warps = tile.pop("num_warps")
     tile.pop("programs_per_sm", None)
     rows_pow2 = 1 << (rows - 1).bit_length()
-    constants = dict(GROUP=GROUP, BLOCK=BLOCK, RESIDUAL=True, ROWS=rows_pow2, PDL=1, **tile)
+    tile["PREFETCH"] = tile["PREFETCH"] and tile["STATIC"]  # as the launcher decides on a Hopper GPU
+    constants = dict(GROUP=GROUP, BLOCK=BLOCK, RESIDUAL=True, ROWS=rows_pow2, PDL=1, THREADS=32 * warps, **tile)
     constants = {k: v for k, v in constants.items() if k in kernel.arg_names}  # an older kernel has fewer
     # The launch's integer arguments (seed-407m, pre-norm: the result into the residual)
     ints = {"M": rows, "F": FFN, "D": D_MODEL, "stride_xm": D_MODEL, "stride_hm": FFN, "stride_om": D_MODEL,

@@ -101,6 +101,24 @@ def _scratch(
     return _SCRATCH[key]
 
 
+def _prefetches(tile: PersistentMlpTile, x: torch.Tensor, gate_up: BlockedInt4Weight, down: BlockedInt4Weight) -> bool:
+    """Whether the kernel asks L2 for each program's next items: the tile says so, items are dealt statically
+    (a program knows its next ones), the GPU has Hopper's bulk prefetch, and every range it asks for is 16-byte
+    aligned and sized (rows of D / 2 and F / 2 bytes, D / GROUP scales per row in 8s, slices of 32 features)."""
+    if not (tile.prefetch_next and tile.static and x.is_cuda):
+        return False
+    D, F = x.shape[1], down.shape[1]
+    bases = (gate_up.packed, gate_up.scale, gate_up.minimum, down.packed)
+    return (
+        torch.cuda.get_device_capability(x.device) >= (9, 0)
+        and D % 32 == 0
+        and F % 32 == 0
+        and tile.slice % 32 == 0
+        and (D // down.group_size) % 8 == 0
+        and all(t.data_ptr() % 16 == 0 for t in bases)
+    )
+
+
 def persistent_mlp(
     policy: KernelPolicy,
     x: torch.Tensor,
@@ -135,7 +153,8 @@ def persistent_mlp(
         GROUP=down.group_size, BLOCK=down.block, RESIDUAL=residual is not None, ROWS=triton.next_power_of_2(M),
         GU_N=tile.gate_up_rows, GU_B=tile.gate_up_blocks, SLICE=tile.slice, DN_N=tile.down_rows,
         TICKETS=tile.tickets, STATIC=tile.static, XPRO=int(tile.x_prologue), MASK_ARG=tile.mask_in_register,
-        H32=tile.h_float32, num_warps=tile.warps, **policy.pdl_options(),
+        H32=tile.h_float32, PREFETCH=_prefetches(tile, x, gate_up, down), THREADS=32 * tile.warps,
+        num_warps=tile.warps, **policy.pdl_options(),
     )  # fmt: skip
     if x.is_cuda:
         index = x.device.index or 0

@@ -27,7 +27,9 @@ class PersistentMlpTile(NamedTuple):
     the norm's gain in float32, its block sums and 1 / rms(x), which the gate / up items read instead of each
     converting and scaling x itself; `mask_in_register`: the nibble mask as a run-time value (one logic op per
     weight instead of two); `h_float32`: the SwiGLU output h (the same rounded values) kept in float32, which the
-    down items load in their weights' register layout (bfloat16 h: a shared-memory shuffle per nibble)."""
+    down items load in their weights' register layout (bfloat16 h: a shared-memory shuffle per nibble);
+    `prefetch_next` (with `static`, on Hopper and later): each program asks L2 for its next items' weights (bulk
+    prefetch) while it works on the current ones."""
 
     gate_up_rows: int
     gate_up_blocks: int
@@ -40,6 +42,7 @@ class PersistentMlpTile(NamedTuple):
     x_prologue: bool = False
     mask_in_register: bool = False
     h_float32: bool = False
+    prefetch_next: bool = False
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,61 @@ def _down_item(sl, n, h_ptr, stride_hm, w_ptr, s_ptr, m_ptr, stride_w, stride_g,
 
 
 @triton.jit
+def _l2_prefetch(ptrs, nbytes, on):
+    """Hopper's bulk prefetch of `nbytes` bytes at each of `ptrs` into L2 where `on` (no registers, no wait)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r,r",
+        [ptrs, nbytes, on.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _l2_prefetch_line(ptrs, on):
+    """The 128-byte line at each of `ptrs` into L2 where `on` (a per-thread prefetch; the bulk one is uniform, so
+    distinct addresses would be issued one lane at a time)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r",
+        [ptrs, on.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _prefetch_item(it, gu_ptr, gu_s_ptr, gu_m_ptr, dn_ptr, stride_gu_w, stride_gu_g, stride_dn_w, F, D, n_gate_up,
+                   n_items, n_out, GU_N: tl.constexpr, SLICE: tl.constexpr, DN_N: tl.constexpr,
+                   THREADS: tl.constexpr):  # fmt: skip
+    """Item `it`'s weights into L2: a gate / up item's six contiguous ranges (gate and up words, scales,
+    minimums) by bulk prefetches of lanes 0-5 (the launcher checks that they are 16-byte aligned and sized), a
+    down item's slice of each of its rows by line prefetches, one line per lane (rows beyond the lanes are left
+    to the item's own loads, as are its scales and minimums)."""
+    lane = tl.arange(0, THREADS)
+    if it >= 0:
+        if it < n_gate_up:
+            row0 = it * GU_N
+            rows = tl.minimum(GU_N, F - row0)
+            up = lane % 2  # lanes 0-5: gate words, up words, gate scales, up scales, gate minimums, up minimums
+            words = gu_ptr + (row0 + up * F).to(tl.int64) * stride_gu_w
+            _l2_prefetch(words, rows * stride_gu_w * 4, lane < 2)
+            groups = (row0 + up * F).to(tl.int64) * stride_gu_g
+            _l2_prefetch(gu_s_ptr + groups, rows * stride_gu_g * 2, (lane >= 2) & (lane < 4))
+            _l2_prefetch(gu_m_ptr + groups, rows * stride_gu_g * 2, (lane >= 4) & (lane < 6))
+        elif it < n_items:
+            d = it - n_gate_up
+            sl, n = d // n_out, d % n_out
+            lines: tl.constexpr = (SLICE // 2 + 127) // 128  # 128-byte lines per row of the slice
+            row = n * DN_N + lane // lines
+            ptrs = dn_ptr + row.to(tl.int64) * stride_dn_w + sl * (SLICE // 8) + (lane % lines) * 32
+            _l2_prefetch_line(ptrs, (lane < DN_N * lines) & (row < D))
+
+
+@triton.jit
 def _persistent_mlp_kernel(
     x_ptr,
     nw_ptr,
@@ -248,6 +303,8 @@ def _persistent_mlp_kernel(
     XPRO: tl.constexpr,
     MASK_ARG: tl.constexpr,
     H32: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    THREADS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out = down(SwiGLU(rmsnorm(x) @ gate_up.T)) (+ residual) for x [M, D], gate_up [2F, D] and down [D, F] in
@@ -260,7 +317,8 @@ def _persistent_mlp_kernel(
     program waits on items of programs that may not have started (one program in the interpreter).
     XPRO: a prologue item (ticket 0) writes x * g, its block sums and 1 / rms(x) to xn (float32 [M * (D +
     D / BLOCK + 1)]) for the gate / up items. MASK_ARG: the nibble mask is `nibble_mask` (0x00780000), a run-time
-    value (one LOP3 per nibble). H32: h is float32."""
+    value (one LOP3 per nibble). H32: h is float32. PREFETCH (with STATIC, on Hopper; THREADS = 32 * warps): each
+    program asks L2 for its next items' weights while it works on the current ones."""
     n_gate_up = tl.cdiv(F, GU_N)
     n_slices = F // SLICE
     n_out = tl.cdiv(D, DN_N)
@@ -274,6 +332,11 @@ def _persistent_mlp_kernel(
     while item < n_items:
         # A program runs its items in ascending order, so the smallest unfinished item is always running
         # and everything it waits on is done: no deadlock while every program is resident.
+        if PREFETCH:  # the next items this program takes (static) into L2 while it works on these
+            for k in tl.static_range(TICKETS):
+                _prefetch_item(item + n_programs * TICKETS + k - XPRO, gu_ptr, gu_s_ptr, gu_m_ptr, dn_ptr, stride_gu_w,
+                               stride_gu_g, stride_dn_w, F, D, n_gate_up, n_items - XPRO, n_out, GU_N, SLICE, DN_N,
+                               THREADS)  # fmt: skip
         for k in tl.static_range(TICKETS):
             it = item + k - XPRO
             if XPRO:
@@ -283,15 +346,13 @@ def _persistent_mlp_kernel(
                 pass
             elif it < n_gate_up:
                 _gate_up_item(it, x_ptr, stride_xm, nw_ptr, eps, gu_ptr, gu_s_ptr, gu_m_ptr, stride_gu_w, stride_gu_g,
-                              h_ptr, stride_hm,
-                              sync_ptr, M, F, D, xn_ptr, flag, nibble_mask, GROUP, BLOCK, ROWS, GU_N, GU_B, SLICE,
-                              XPRO, MASK_ARG, H32)  # fmt: skip
+                              h_ptr, stride_hm, sync_ptr, M, F, D, xn_ptr, flag, nibble_mask, GROUP, BLOCK, ROWS,
+                              GU_N, GU_B, SLICE, XPRO, MASK_ARG, H32)  # fmt: skip
             elif it < n_items - XPRO:
                 d = it - n_gate_up  # slice-major: the earliest slices' items come first
                 _down_item(d // n_out, d % n_out, h_ptr, stride_hm, dn_ptr, dn_s_ptr, dn_m_ptr, stride_dn_w,
-                           stride_dn_g, acc_ptr, out_ptr,
-                           stride_om, res_ptr, stride_rm, sync_ptr, M, F, D, n_slices, nibble_mask, GROUP, BLOCK,
-                           ROWS, GU_N, SLICE, DN_N, RESIDUAL, MASK_ARG)  # fmt: skip
+                           stride_dn_g, acc_ptr, out_ptr, stride_om, res_ptr, stride_rm, sync_ptr, M, F, D, n_slices,
+                           nibble_mask, GROUP, BLOCK, ROWS, GU_N, SLICE, DN_N, RESIDUAL, MASK_ARG)  # fmt: skip
         if STATIC:
             item += n_programs * TICKETS
         else:
