@@ -333,6 +333,7 @@ def tiles_section(specs: list[str], rows: list[int], total_s: float, job_s: floa
                     pending.remove(job)
                     current = None
                     print("tile", job, rec, flush=True)
+                    res["ranking"] = _ranking(res["variants"])
                     save()
                 else:
                     res.update(rec)
@@ -349,7 +350,25 @@ def tiles_section(specs: list[str], rows: list[int], total_s: float, job_s: floa
         res["variants"][job] = {"error": "not run: the sweep's time cap"}
     res["children"] = children
     res["seconds"] = round(time.perf_counter() - t0, 1)
+    res["ranking"] = _ranking(res["variants"])
     return res
+
+
+def _agrees(rec: dict[str, Any]) -> bool:
+    """A variant's result as close to the two launches and float64 as the CPU tests require of bfloat16 results
+    (one bfloat16 unit; the two launches' own error), and the same bits on every repeat."""
+    return (
+        rec.get("max_rel_vs_two_launches", 1.0) <= 2**-7
+        and rec.get("rel_frob_vs_float64", 1.0) <= 1.1 * rec.get("two_launches_rel_frob_vs_float64", 0.0) + 1e-4
+        and rec.get("repeats_distinct_results") == 1
+    )
+
+
+def _ranking(variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The timed variants, fastest first, with whether each agrees with the two launches."""
+    timed_ = [(rec["us"], job, rec) for job, rec in variants.items() if "us" in rec]
+    return [{"job": job, "us": round(us, 2), "speedup_vs_two_launches": rec.get("speedup_vs_two_launches"),
+             "agrees": _agrees(rec)} for us, job, rec in sorted(timed_)]  # fmt: skip
 
 
 def canary() -> None:
