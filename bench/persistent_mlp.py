@@ -24,6 +24,7 @@ Sections, in this order (each saves the JSON so far; a failing one records its t
   process; the variants run in a child process that the parent watches: one that takes longer than
   --tile-seconds (a wait that never ends) is killed and recorded, and the sweep goes on in a new child, until
   --tiles-seconds (150 s) are spent. `--only tiles` runs no canary (the sweep guards itself).
+- `--render RESULT.json` prints a written result's tile sweep as a Markdown table (no GPU needed).
 - ouro_decode (only when named): the Ouro-1.4B shape decoding at 4 loops, as decode (writes 1.4B random weights).
 About 5-8 minutes on an H100 from a cold Triton cache, most of it compiling; split it with --only when a call's
 time is short (e.g. `--only layer` then `--only decode builtin tiles`).
@@ -478,6 +479,25 @@ def env_section() -> dict[str, Any]:
             "l2_bytes": getattr(props, "L2_cache_size", None)}  # fmt: skip
 
 
+def render_tiles(results: dict[str, Any]) -> str:
+    """The tile sweep of a written result as a Markdown table, fastest first, then what did not finish."""
+    tiles = results.get("tiles")
+    if not tiles:
+        return "no tile sweep in this result"
+    env = results.get("env", {})
+    base = {rows: ", ".join(f"{us:.1f}" for us in runs) for rows, runs in tiles.get("two_launches_us", {}).items()}
+    lines = [f"{env.get('device', '?')} (torch {env.get('torch', '?')}, Triton {env.get('triton', '?')}); two "
+             f"launches: {'; '.join(f'{r} row(s) {b} µs' for r, b in base.items())}", "",
+             "| rows:tile | µs | vs two launches | agrees |", "|---|---|---|---|"]  # fmt: skip
+    for rec in tiles.get("ranking", []):
+        lines.append(f"| {rec['job']} | {rec['us']:.1f} | {rec['speedup_vs_two_launches']}x | "
+                     f"{'yes' if rec['agrees'] else 'NO'} |")  # fmt: skip
+    for job, rec in tiles.get("variants", {}).items():
+        if "us" not in rec:
+            lines.append(f"| {job} | — | {rec.get('error', '?').splitlines()[-1][:80]} | |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     global OUT
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -502,7 +522,11 @@ def main() -> None:
     )
     ap.add_argument("--canary", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tiles-child", nargs="+", help=argparse.SUPPRESS)
+    ap.add_argument("--render", metavar="JSON", help="print a written result's tile sweep as a Markdown table (no GPU)")
     args = ap.parse_args()
+    if args.render:
+        print(render_tiles(json.loads(Path(args.render).read_text())))
+        return
     if not torch.cuda.is_available():
         sys.exit("bench/persistent_mlp.py: no CUDA device visible to torch; run it on the GPU machine")
     if args.canary:
