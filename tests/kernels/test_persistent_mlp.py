@@ -93,7 +93,7 @@ def test_persistent_mlp_matches_the_two_launches_and_the_reference(
     # The launch left its scratch ready for the next one (a graph replays it without a reset).
     tile = policy.persistent_mlp_tile(d, f, rows, group)
     assert tile is not None
-    _, acc, sync, _ = persistent_mlp._scratch(x, f, tile, down.block)
+    _, acc, sync, _ = persistent_mlp._scratch(x, f, tile)
     assert not acc.any() and not sync.any()
     again = persistent_mlp.persistent_mlp(policy, x, norm, EPS, gate_up, down, x.clone() if residual else None)
     assert torch.equal(again, got)
@@ -131,7 +131,7 @@ def test_tile_options_give_the_same_result(
         )
     else:
         assert torch.equal(got, want)
-    _, acc, sync, _ = persistent_mlp._scratch(x, f, tile, down.block)
+    _, acc, sync, _ = persistent_mlp._scratch(x, f, tile)
     assert not acc.any() and not sync.any()
     again = persistent_mlp.persistent_mlp(policy, x, norm, EPS, gate_up, down, x.clone())
     assert torch.equal(again, got)  # the launch left its scratch ready for the next

@@ -26,7 +26,7 @@ from tinyloop.quant import BlockedInt4Weight
 INTERPRETER_PROGRAMS = 2
 NIBBLE_MASK = 0x00780000  # a nibble's place under float32's exponent of 1.0 (triton_matmul._blocked_f)
 
-# (device, rows, d_model, ffn, dtype, tile, block) -> (h, acc, sync, xn): every launch leaves acc and sync zero, so
+# (device, rows, d_model, ffn, dtype, tile) -> (h, acc, sync, xn): every launch leaves acc and sync zero, so
 # one set serves every layer of a step and every replay of a captured graph (launches on one stream run in order).
 _SCRATCH: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -84,14 +84,14 @@ def persistent_mlp_applies(policy: KernelPolicy, x: torch.Tensor, gate_up: objec
 
 
 def _scratch(
-    x: torch.Tensor, F: int, tile: PersistentMlpTile, block: int
+    x: torch.Tensor, F: int, tile: PersistentMlpTile
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """h, acc, sync, and xn (the prologue's x * g, block sums and 1 / rms(x); one element without it)."""
+    """h, acc, sync, and xn (the prologue's x * g and 1 / rms(x); one element without it)."""
     M, D = x.shape
-    key = (x.device, M, D, F, x.dtype, tile, block)
+    key = (x.device, M, D, F, x.dtype, tile)
     if key not in _SCRATCH:
         counters = READY + F // tile.slice + triton.cdiv(D, tile.down_rows) + 1
-        xn = M * (D + D // block + 1) if tile.x_prologue else 1
+        xn = M * (D + 1) if tile.x_prologue else 1
         _SCRATCH[key] = (
             torch.empty((M, F), dtype=torch.float32 if tile.h_float32 else x.dtype, device=x.device),
             torch.zeros((M, D), dtype=torch.float32, device=x.device),
@@ -141,7 +141,7 @@ def persistent_mlp(
     else:
         out = torch.empty((M, D), dtype=x.dtype, device=x.device)
     res = residual if residual is not None else out
-    h, acc, sync, xn = _scratch(x, F, tile, down.block)
+    h, acc, sync, xn = _scratch(x, F, tile)
     n_items = (
         int(tile.x_prologue) + triton.cdiv(F, tile.gate_up_rows) + (F // tile.slice) * triton.cdiv(D, tile.down_rows)
     )

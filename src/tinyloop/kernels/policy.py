@@ -24,8 +24,8 @@ class PersistentMlpTile(NamedTuple):
     and output rows per down item; warps per program, and programs per SM (at most what fits one SM); items
     per ticket (one ticket atomic per `tickets` items); `static`: no ticket counter, items dealt round-robin to
     the programs (all of them resident, which the launcher ensures); `x_prologue`: one item first writes x times
-    the norm's gain in float32, its block sums and 1 / rms(x), which the gate / up items read instead of each
-    converting and scaling x itself; `mask_in_register`: the nibble mask as a run-time value (one logic op per
+    the norm's gain in float32 and 1 / rms(x), which the gate / up items read instead of each converting,
+    scaling and squaring x itself; `mask_in_register`: the nibble mask as a run-time value (one logic op per
     weight instead of two); `h_float32`: the SwiGLU output h (the same rounded values) kept in float32, which the
     down items load in their weights' register layout (bfloat16 h: a shared-memory shuffle per nibble);
     `prefetch_next` (with `static`, on Hopper and later): each program asks L2 for its next items' weights (bulk

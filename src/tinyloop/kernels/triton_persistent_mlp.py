@@ -57,8 +57,8 @@ def _x_words(x_ptr, stride_xm, offs_m, x_mask, zero_rows, blk, offs_i, j: tl.con
 @triton.jit
 def _x_prologue(x_ptr, stride_xm, nw_ptr, eps, xn_ptr, sync_ptr, flag, M, D, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                 XB: tl.constexpr):  # fmt: skip
-    """The prologue item: x * g in float32 [M, D], its sum per BLOCK columns [M, D / BLOCK] and 1 / rms(x) [M]
-    into xn, for every gate / up item to read instead of converting and scaling x itself; then the flag."""
+    """The prologue item: x * g in float32 [M, D] and 1 / rms(x) [M] into xn, for every gate / up item to read
+    instead of converting, scaling and squaring x itself; then the flag."""
     offs_m = tl.arange(0, ROWS)
     m_mask = offs_m < M
     offs_c = tl.arange(0, BLOCK)
@@ -73,10 +73,8 @@ def _x_prologue(x_ptr, stride_xm, nw_ptr, eps, xn_ptr, sync_ptr, flag, M, D, ROW
         sumsq += x * x
         xg = x * g[None]
         tl.store(xn_ptr + offs_m[:, None, None] * D + cols[None], xg, mask=mask)
-        tl.store(xn_ptr + M * D + offs_m[:, None] * n_blocks + blk[None, :], tl.sum(xg, axis=2),
-                 mask=m_mask[:, None] & (blk < n_blocks)[None, :])  # fmt: skip
     rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(sumsq, axis=2), axis=1) / D + eps)
-    tl.store(xn_ptr + M * D + M * n_blocks + offs_m, rstd, mask=m_mask)
+    tl.store(xn_ptr + M * D + offs_m, rstd, mask=m_mask)
     tl.debug_barrier()  # every thread's stores issued before the flag says so
     tl.atomic_add(sync_ptr + flag, 1, sem="release")
 
@@ -87,8 +85,8 @@ def _gate_up_item(t, x_ptr, stride_xm, nw_ptr, eps, w_ptr, s_ptr, m_ptr, stride_
                   ROWS: tl.constexpr, GU_N: tl.constexpr, GU_B: tl.constexpr, SLICE: tl.constexpr,
                   XPRO: tl.constexpr, MASK_ARG: tl.constexpr, H32: tl.constexpr):  # fmt: skip
     """h[:, t * GU_N..] = SwiGLU(rmsnorm(x) @ [gate; up].T) for those features, rounded as the fused GEMV
-    rounds (kernels/triton_matmul.py `_gemv_blocked_int4_kernel` with NORM and ACT = 1). XPRO: x * g, its
-    block sums and 1 / rms(x) come from the prologue item (xn), waited for after the first weight loads.
+    rounds (kernels/triton_matmul.py `_gemv_blocked_int4_kernel` with NORM and ACT = 1). XPRO: x * g and
+    1 / rms(x) come from the prologue item (xn), waited for after the first weight loads.
     H32: h is float32 (the same rounded values), which the down items load in their weights' register layout."""
     WORDS: tl.constexpr = BLOCK // 8
     rows = t * GU_N + tl.arange(0, GU_N)
@@ -119,8 +117,8 @@ def _gate_up_item(t, x_ptr, stride_xm, nw_ptr, eps, w_ptr, s_ptr, m_ptr, stride_
                                                    stride_w, stride_g, GROUP, BLOCK)  # fmt: skip
         part = tl.zeros((ROWS, GU_N, GU_B, WORDS), tl.float32)
         part_up = tl.zeros((ROWS, GU_N, GU_B, WORDS), tl.float32)
+        xsum = tl.zeros((ROWS, GU_N, GU_B, WORDS), tl.float32)
         if XPRO:
-            xsum = tl.zeros((ROWS, GU_N, GU_B, WORDS), tl.float32)
             for j in tl.static_range(8):
                 cols = zero_rows + (blk * BLOCK + WORDS * j)[None, :, None] + offs_i[None, None, :]
                 xj = tl.load(xn_ptr + offs_m[:, None, None, None] * D + cols[None], mask=x_mask, other=0.0,
@@ -128,9 +126,7 @@ def _gate_up_item(t, x_ptr, stride_xm, nw_ptr, eps, w_ptr, s_ptr, m_ptr, stride_
                 xsum += xj
                 part += _nibble_f(cur, j, nibble_mask, MASK_ARG)[None] * xj
                 part_up += _nibble_f(cur_up, j, nibble_mask, MASK_ARG)[None] * xj
-            xs = tl.sum(xsum, axis=3)
         else:
-            xsum = tl.zeros((ROWS, GU_N, GU_B, WORDS), tl.float32)
             for j in tl.static_range(8):
                 xj, cols = _x_words(x_ptr, stride_xm, offs_m, x_mask, zero_rows, blk, offs_i, j, WORDS, BLOCK, False)
                 sumsq += xj * xj
@@ -139,11 +135,11 @@ def _gate_up_item(t, x_ptr, stride_xm, nw_ptr, eps, w_ptr, s_ptr, m_ptr, stride_
                 xsum += xj
                 part += _nibble_f(cur, j, nibble_mask, MASK_ARG)[None] * xj
                 part_up += _nibble_f(cur_up, j, nibble_mask, MASK_ARG)[None] * xj
-            xs = tl.sum(xsum, axis=3)
+        xs = tl.sum(xsum, axis=3)
         acc += cur_s[None] * (16.0 * (tl.sum(part, axis=3) - xs)) + cur_mn[None] * xs
         acc_up += cur_s_up[None] * (16.0 * (tl.sum(part_up, axis=3) - xs)) + cur_mn_up[None] * xs
     if XPRO:
-        rstd = tl.load(xn_ptr + M * D + M * n_blocks + offs_m[:, None] + (rows * 0)[None, :],
+        rstd = tl.load(xn_ptr + M * D + offs_m[:, None] + (rows * 0)[None, :],
                        mask=m_mask[:, None], other=1.0, cache_modifier=".cg")  # fmt: skip
     else:
         rstd = 1.0 / tl.sqrt(tl.sum(tl.sum(sumsq, axis=3), axis=2) / D + eps)
@@ -315,8 +311,8 @@ def _persistent_mlp_kernel(
     TICKETS: consecutive items per ticket (one atomic per TICKETS items). STATIC: no ticket counter, program p
     takes items p, p + n_programs, ... (TICKETS at a time), which needs every program resident at once: a
     program waits on items of programs that may not have started (one program in the interpreter).
-    XPRO: a prologue item (ticket 0) writes x * g, its block sums and 1 / rms(x) to xn (float32 [M * (D +
-    D / BLOCK + 1)]) for the gate / up items. MASK_ARG: the nibble mask is `nibble_mask` (0x00780000), a run-time
+    XPRO: a prologue item (ticket 0) writes x * g and 1 / rms(x) to xn (float32 [M * (D + 1)]) for the gate / up
+    items. MASK_ARG: the nibble mask is `nibble_mask` (0x00780000), a run-time
     value (one LOP3 per nibble). H32: h is float32. PREFETCH (with STATIC, on Hopper; THREADS = 32 * warps): each
     program asks L2 for its next items' weights while it works on the current ones."""
     n_gate_up = tl.cdiv(F, GU_N)
@@ -342,13 +338,11 @@ def _persistent_mlp_kernel(
             if XPRO:
                 if it < 0:
                     _x_prologue(x_ptr, stride_xm, nw_ptr, eps, xn_ptr, sync_ptr, flag, M, D, ROWS, BLOCK, 4)
-            if it < 0:
-                pass
-            elif it < n_gate_up:
+            if it >= 0 and it < n_gate_up:
                 _gate_up_item(it, x_ptr, stride_xm, nw_ptr, eps, gu_ptr, gu_s_ptr, gu_m_ptr, stride_gu_w, stride_gu_g,
                               h_ptr, stride_hm, sync_ptr, M, F, D, xn_ptr, flag, nibble_mask, GROUP, BLOCK, ROWS,
                               GU_N, GU_B, SLICE, XPRO, MASK_ARG, H32)  # fmt: skip
-            elif it < n_items - XPRO:
+            elif it >= n_gate_up and it < n_items - XPRO:
                 d = it - n_gate_up  # slice-major: the earliest slices' items come first
                 _down_item(d // n_out, d % n_out, h_ptr, stride_hm, dn_ptr, dn_s_ptr, dn_m_ptr, stride_dn_w,
                            stride_dn_g, acc_ptr, out_ptr, stride_om, res_ptr, stride_rm, sync_ptr, M, F, D, n_slices,
