@@ -272,7 +272,18 @@ def tiles_child(jobs: list[str]) -> None:
             res = {"error": traceback.format_exc()[-2000:]}
         res["seconds"] = round(time.perf_counter() - t, 1)
         _emit({"job": job, **res})
+        if "error" in res and not _cuda_usable():
+            os._exit(3)  # a CUDA error poisons this process's context: the parent goes on in a new child
     _emit({"programs_one_sm_holds": {str(k): v for k, v in persistent_mlp._RESIDENT.items()}})
+
+
+def _cuda_usable() -> bool:
+    try:
+        torch.cuda.synchronize()
+        torch.zeros(1, device="cuda").add_(1).item()
+        return True
+    except Exception:
+        return False
 
 
 def tiles_section(specs: list[str], rows: list[int], total_s: float, job_s: float) -> dict[str, Any]:
