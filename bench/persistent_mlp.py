@@ -72,7 +72,8 @@ TILE_SWEEP = [
     "32,8,256,128,16", "32,8,256,128,8,1,static=1", "32,8,256,128,8,1,tickets=2",
     f"16,16,256,64,8,1,{_NEW},x_prologue=1", f"16,8,256,64,4,2,{_NEW},x_prologue=1",
     f"64,4,256,64,8,1,{_NEW},x_prologue=1", f"32,8,128,256,8,1,{_NEW}", f"32,8,512,128,16,1,{_NEW},x_prologue=1",
-    f"32,8,512,128,32,1,{_NEW},x_prologue=1",
+    f"32,8,512,128,32,1,{_NEW},x_prologue=1", f"32,8,256,128,16,1,{_NEW},x_prologue=1,prefetch_next=1",
+    f"32,8,256,128,32,1,{_NEW},x_prologue=1,prefetch_next=1",
 ]  # fmt: skip
 TILES_SECONDS, TILE_SECONDS = 150.0, 45.0
 

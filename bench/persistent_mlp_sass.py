@@ -80,7 +80,6 @@ def compile_tile(module: types.ModuleType, spec: str, rows: int) -> dict[str, An
     warps = tile.pop("num_warps")
     tile.pop("programs_per_sm", None)
     rows_pow2 = 1 << (rows - 1).bit_length()
-    tile["PREFETCH"] = tile["PREFETCH"] and tile["STATIC"]  # as the launcher decides on a Hopper GPU
     constants = dict(GROUP=GROUP, BLOCK=BLOCK, RESIDUAL=True, ROWS=rows_pow2, PDL=1, THREADS=32 * warps, **tile)
     constants = {k: v for k, v in constants.items() if k in kernel.arg_names}  # an older kernel has fewer
     # The launch's integer arguments (seed-407m, pre-norm: the result into the residual)

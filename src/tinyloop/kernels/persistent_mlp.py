@@ -102,10 +102,10 @@ def _scratch(
 
 
 def _prefetches(tile: PersistentMlpTile, x: torch.Tensor, gate_up: BlockedInt4Weight, down: BlockedInt4Weight) -> bool:
-    """Whether the kernel asks L2 for each program's next items: the tile says so, items are dealt statically
-    (a program knows its next ones), the GPU has Hopper's bulk prefetch, and every range it asks for is 16-byte
-    aligned and sized (rows of D / 2 and F / 2 bytes, D / GROUP scales per row in 8s, slices of 32 features)."""
-    if not (tile.prefetch_next and tile.static and x.is_cuda):
+    """Whether the kernel asks L2 for weights ahead (inline PTX, so never in the interpreter): the tile says so, the
+    GPU has Hopper's bulk prefetch, and every range it asks for is 16-byte aligned and sized (rows of D / 2 and
+    F / 2 bytes, D / GROUP scales per row in 8s, slices of 32 features)."""
+    if not (tile.prefetch_next and x.is_cuda):
         return False
     D, F = x.shape[1], down.shape[1]
     bases = (gate_up.packed, gate_up.scale, gate_up.minimum, down.packed)

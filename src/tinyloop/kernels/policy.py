@@ -28,8 +28,8 @@ class PersistentMlpTile(NamedTuple):
     scaling and squaring x itself; `mask_in_register`: the nibble mask as a run-time value (one logic op per
     weight instead of two); `h_float32`: the SwiGLU output h (the same rounded values) kept in float32, which the
     down items load in their weights' register layout (bfloat16 h: a shared-memory shuffle per nibble);
-    `prefetch_next` (with `static`, on Hopper and later): each program asks L2 for its next items' weights (bulk
-    prefetch) while it works on the current ones."""
+    `prefetch_next` (Hopper and later): program p asks L2 for item p's weights before the PDL wait (the first
+    wave of items) and, with `static`, for its next items' while it works on the current ones (bulk prefetch)."""
 
     gate_up_rows: int
     gate_up_blocks: int

@@ -313,15 +313,16 @@ def _persistent_mlp_kernel(
     program waits on items of programs that may not have started (one program in the interpreter).
     XPRO: a prologue item (ticket 0) writes x * g and 1 / rms(x) to xn (float32 [M * (D + 1)]) for the gate / up
     items. MASK_ARG: the nibble mask is `nibble_mask` (0x00780000), a run-time
-    value (one LOP3 per nibble). H32: h is float32. PREFETCH (with STATIC, on Hopper; THREADS = 32 * warps): each
-    program asks L2 for its first items' weights before the PDL wait, and for its next items' while it works on
-    the current ones."""
+    value (one LOP3 per nibble). H32: h is float32. PREFETCH (Hopper; THREADS = 32 * warps): program p asks L2
+    for item p's weights before the PDL wait (with STATIC its own first items; by tickets the first wave's), and
+    with STATIC for its next items' while it works on the current ones."""
     n_gate_up = tl.cdiv(F, GU_N)
     n_slices = F // SLICE
     n_out = tl.cdiv(D, DN_N)
     n_items = XPRO + n_gate_up + n_slices * n_out
     flag = READY + n_slices + n_out  # the prologue's
-    if PREFETCH:  # weights depend on no kernel: a program's first items stream while the previous kernel ends
+    if PREFETCH:  # weights depend on no kernel: the first items stream while the previous kernel ends (ticket
+        # order: the first wave's items, whichever program takes each; static: this program's own)
         for k in tl.static_range(TICKETS):
             _prefetch_item(tl.program_id(0) * TICKETS + k - XPRO, gu_ptr, gu_s_ptr, gu_m_ptr, dn_ptr, stride_gu_w,
                            stride_gu_g, stride_dn_w, F, D, n_gate_up, n_items - XPRO, n_out, GU_N, SLICE, DN_N,
@@ -334,7 +335,7 @@ def _persistent_mlp_kernel(
     while item < n_items:
         # A program runs its items in ascending order, so the smallest unfinished item is always running
         # and everything it waits on is done: no deadlock while every program is resident.
-        if PREFETCH:  # the next items this program takes (static) into L2 while it works on these
+        if PREFETCH and STATIC:  # the next items this program takes into L2 while it works on these
             for k in tl.static_range(TICKETS):
                 _prefetch_item(item + n_programs * TICKETS + k - XPRO, gu_ptr, gu_s_ptr, gu_m_ptr, dn_ptr, stride_gu_w,
                                stride_gu_g, stride_dn_w, F, D, n_gate_up, n_items - XPRO, n_out, GU_N, SLICE, DN_N,
