@@ -16,7 +16,8 @@ Sections, in this order (each saves the JSON so far; a failing one records its t
   sums arrive in any order).
 - decode: seed-407m (random INT4 weights, written to /tmp while the sections before run) decoding 128 tokens after
   a 128-token prompt at 8 loops through the public API with TINYLOOP_PERSISTENT_DECODE=0 and =1 (generate, and the
-  raw decode step without sampling), and the greedy tokens of both.
+  raw decode step without sampling), and the greedy tokens of both; with --decode-tiles, also =1 under each given
+  one-row tile (set in the policy the engine builds), each in a child process with a time limit.
 - builtin: the built-in model's greedy tokens (32 at 8 loops, two prompts) on the GPU with and without the
   persistent kernel against the CPU path.
 - tiles: seed-407m's layer (with the residual) at one row (--tile-rows) under each tile / option set of
@@ -418,20 +419,56 @@ def make_model(preset: str, path: str) -> None:
                         "--bits", "4", "--quiet"], check=True)  # fmt: skip
 
 
-def decode_numbers(path: str, loops: int, persistent: bool, new: int = 128, prompt_len: int = 128) -> dict[str, Any]:
+def decode_numbers(path: str, loops: int, persistent: bool, new: int = 128, prompt_len: int = 128,
+                   tile: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Decode timing through the public API; `tile` (a TILE_SWEEP entry): the persistent kernel's one-row tile
+    for the model's MLP shape, set in the policy the engine builds at load."""
     import tinyloop
+    from tinyloop.kernels import cuda_backend
 
     def run() -> dict[str, Any]:
         m = tinyloop.Model(path, max_seq_len=1024, device="cuda")
         try:
             prompt = np.random.default_rng(1).integers(0, m.config["vocab_size"], prompt_len).astype(np.int32)
-            res: dict[str, Any] = {"policy_persistent_decode": m._engine.kernel_policy.persistent_decode}
+            policy = m._engine.kernel_policy
+            tiles = {str(k): list(v) for k, v in policy.persistent_mlp_tiles.items()}
+            res: dict[str, Any] = {"policy_persistent_decode": policy.persistent_decode, "tiles": tiles}
             return {**res, **decode_timing(m, prompt, loops, new)}
         finally:
             m.close()
             torch.cuda.empty_cache()
 
-    return with_env({"TINYLOOP_PERSISTENT_DECODE": "1" if persistent else "0"}, run)
+    built = cuda_backend.kernel_policy
+    if tile is not None:
+        chosen = parse_tile(tile)
+
+        def with_tile(env: Any) -> Any:
+            policy = built(env)
+            return dataclasses.replace(policy, persistent_mlp_tiles={(D_MODEL, FFN, 1): chosen})
+
+        cuda_backend.kernel_policy = with_tile
+    try:
+        return with_env({"TINYLOOP_PERSISTENT_DECODE": "1" if persistent else "0"}, run)
+    finally:
+        cuda_backend.kernel_policy = built
+
+
+def decode_tile_child(path: str, loops: int, tile: str) -> None:
+    """Child process: one decode measurement with the persistent kernel under `tile`, as one JSON line."""
+    print("DECODE " + json.dumps(decode_numbers(path, loops, True, tile=tile)), flush=True)
+
+
+def _decode_tile(path: str, loops: int, tile: str, timeout: float = 180) -> dict[str, Any]:
+    """decode_tile_child in a child process with a time limit (a tile whose waits never end is recorded)."""
+    try:
+        done = subprocess.run([sys.executable, __file__, "--decode-child", path, str(loops), tile],
+                              capture_output=True, text=True, timeout=timeout)  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result in {timeout:.0f} s (a wait that never ends?)"}
+    for line in done.stdout.splitlines():
+        if line.startswith("DECODE "):
+            return dict(json.loads(line[len("DECODE ") :]))
+    return {"error": f"child exited {done.returncode}: {(done.stdout + done.stderr)[-2000:]}"}
 
 
 def _agreeing(a: list[int], b: list[int]) -> int:
@@ -441,7 +478,9 @@ def _agreeing(a: list[int], b: list[int]) -> int:
     return n
 
 
-def decode_section(preset: str, path: str, loops: int, persistent_ok: bool) -> dict[str, Any]:
+def decode_section(
+    preset: str, path: str, loops: int, persistent_ok: bool, tiles: tuple[str, ...] = ()
+) -> dict[str, Any]:
     make_model(preset, path)
     res: dict[str, Any] = {"loops": loops, "default": decode_numbers(path, loops, False)}
     if persistent_ok:
@@ -451,6 +490,13 @@ def decode_section(preset: str, path: str, loops: int, persistent_ok: bool) -> d
             res["speedup_raw_decode"] = res["default"]["raw_decode_128_ms"] / res["persistent"]["raw_decode_128_ms"]
         except Exception:
             res["persistent_error"] = traceback.format_exc()[-3000:]
+    for tile in tiles:  # each in a child process with a time limit
+        rec = _decode_tile(path, loops, tile)
+        if "greedy" in rec:
+            rec["greedy_tokens_agreeing"] = _agreeing(res["default"]["greedy"], rec["greedy"])
+            rec["speedup_raw_decode"] = res["default"]["raw_decode_128_ms"] / rec["raw_decode_128_ms"]
+        res.setdefault("persistent_tiles", {})[tile] = rec
+        save()
     return res
 
 
@@ -535,11 +581,19 @@ def main() -> None:
     )
     ap.add_argument("--canary", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tiles-child", nargs="+", help=argparse.SUPPRESS)
+    ap.add_argument("--decode-child", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--decode-tiles", nargs="+", default=[], metavar="TILE",
+                    help="decode section: also decode with the persistent kernel under each one-row tile")  # fmt: skip
     ap.add_argument("--render", metavar="JSON", help="print a written result's tile sweep as a Markdown table (no GPU)")
     args = ap.parse_args()
     if args.render:
         print(render_tiles(json.loads(Path(args.render).read_text())))
         return
+    for spec in args.tiles + args.decode_tiles:
+        try:
+            parse_tile(spec)
+        except (ValueError, TypeError) as exc:
+            sys.exit(f"bench/persistent_mlp.py: --tiles {spec!r}: {exc}")
     if not torch.cuda.is_available():
         sys.exit("bench/persistent_mlp.py: no CUDA device visible to torch; run it on the GPU machine")
     if args.canary:
@@ -548,11 +602,9 @@ def main() -> None:
     if args.tiles_child:
         tiles_child(args.tiles_child)
         return
-    for spec in args.tiles:
-        try:
-            parse_tile(spec)
-        except (ValueError, TypeError) as exc:
-            sys.exit(f"bench/persistent_mlp.py: --tiles {spec!r}: {exc}")
+    if args.decode_child:
+        decode_tile_child(args.decode_child[0], int(args.decode_child[1]), args.decode_child[2])
+        return
     OUT = Path(args.out)
     # seed-407m's random weights are written while the kernels compile and run (the converter writes atomically).
     writer = None
@@ -568,7 +620,10 @@ def main() -> None:
     if writer is not None:
         writer.wait()
     if "decode" in args.only:
-        section("decode_seed407m", lambda: decode_section("seed-407m", SEED_PATH, 8, persistent_ok))
+        section(
+            "decode_seed407m",
+            lambda: decode_section("seed-407m", SEED_PATH, 8, persistent_ok, tuple(args.decode_tiles)),
+        )
     if "builtin" in args.only:
         section("builtin", lambda: builtin_section(persistent_ok))
     if persistent_ok and "tiles" in args.only:
