@@ -105,7 +105,7 @@ def test_persistent_mlp_matches_the_two_launches_and_the_reference(
 OPTIONS = [{"tickets": 2}, {"tickets": 3}, {"static": True}, {"static": True, "tickets": 2},
            {"mask_in_register": True}, {"h_float32": True}, {"x_prologue": True},
            {"x_prologue": True, "static": True, "tickets": 2, "mask_in_register": True, "h_float32": True},
-           {"static": True, "prefetch_next": True}, {"prefetch_next": True}]  # fmt: skip
+           {"static": True, "prefetch_next": True}]  # fmt: skip
 
 
 @pytest.mark.parametrize("option", OPTIONS, ids=lambda s: "-".join(f"{k}{v}" for k, v in s.items()))
