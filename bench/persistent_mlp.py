@@ -45,6 +45,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -438,19 +439,16 @@ def decode_numbers(path: str, loops: int, persistent: bool, new: int = 128, prom
             m.close()
             torch.cuda.empty_cache()
 
-    built = cuda_backend.kernel_policy
-    if tile is not None:
-        chosen = parse_tile(tile)
-
-        def with_tile(env: Any) -> Any:
-            policy = built(env)
-            return dataclasses.replace(policy, persistent_mlp_tiles={(D_MODEL, FFN, 1): chosen})
-
-        cuda_backend.kernel_policy = with_tile
-    try:
+    if tile is None:
         return with_env({"TINYLOOP_PERSISTENT_DECODE": "1" if persistent else "0"}, run)
-    finally:
-        cuda_backend.kernel_policy = built
+    built, chosen = cuda_backend.kernel_policy, parse_tile(tile)
+
+    def with_tile(env: Any) -> Any:
+        return dataclasses.replace(built(env), persistent_mlp_tiles={(D_MODEL, FFN, 1): chosen})
+
+    # the loader's policy factory wrapped for this load: the policy stays a value built at load
+    with mock.patch.object(cuda_backend, "kernel_policy", with_tile):
+        return with_env({"TINYLOOP_PERSISTENT_DECODE": "1" if persistent else "0"}, run)
 
 
 def decode_tile_child(path: str, loops: int, tile: str) -> None:
