@@ -1,11 +1,10 @@
 """The Gluon INT4 GEMV (src/tinyloop/kernels/gluon_gemv.py) over 1-8 rows of x, per tile, against what else a
 few-row product can run: the one-row kernels once per row, the Triton INT4 kernels (blocked GEMV / split-K), what
-the default policy runs (`policy`: the staged GEMV where it applies, up to `staged_gemv_max_rows` rows),
-the staged GEMV at any row count (`staged_any_rows`; QKV and gate / up, elsewhere the plain Gluon GEMV), and
-cuBLAS on a 16-bit copy of the weight (what batched decode steps multiply when `KernelPolicy.dense_copy_min_rows`
-sends them there). seed-407m's four layer products (the Ouro-1.4B shape has the same four), weights streamed
-from DRAM (16 copies per shape cycled inside one CUDA graph), bfloat16 activations. Every result is checked
-against a float32 product of the dequantized weight. Device only.
+the default policy runs (`policy`), and cuBLAS on a 16-bit copy of the weight (what batched decode steps
+multiply when `KernelPolicy.dense_copy_min_rows` sends them there). seed-407m's four layer products (the
+Ouro-1.4B shape has the same four), weights streamed from DRAM (16 copies per shape cycled inside one CUDA
+graph), bfloat16 activations. Every result is checked against a float32 product of the dequantized weight.
+Device only.
 
     PYTHONPATH=src python bench/gluon_gemv_rows.py --out rows.json [--rows 1 2 3 4 8] [--budget-s 300]
 
@@ -107,7 +106,6 @@ def main() -> None:
     t_start = time.perf_counter()
     policy = kernel_policy(RuntimeEnv.read())
     int4_triton = dataclasses.replace(policy, gluon_gemv_max_rows=0, staged_gemv=False, gluon_gemv=False)
-    staged_any_rows = dataclasses.replace(policy, gluon_gemv_max_rows=8, staged_gemv_max_rows=8)
     gen = torch.Generator().manual_seed(0)
     dev = torch.device("cuda")
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -141,7 +139,6 @@ def main() -> None:
             for label, fn, check in (("cublas_16bit", fused(policy, dense), True),
                                      ("int4_triton", fused(int4_triton, ws), True),
                                      ("policy", fused(policy, ws), True),
-                                     ("staged_any_rows", fused(staged_any_rows, ws), True),
                                      ("one_row_kernels_per_row", per_row, False)):  # fmt: skip
                 try:
                     if check:

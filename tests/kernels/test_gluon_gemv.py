@@ -96,12 +96,9 @@ def test_dispatch_order(monkeypatch: pytest.MonkeyPatch, staged_on: bool, staged
     assert calls == expected
     assert ran == ((staged_on and staged_runs) or gluon_on)
 
-
-def test_staged_gemv_declines_more_rows_than_the_policy_gives_it() -> None:
-    w = BlockedInt4Weight.from_int4(quantize_int4(torch.randn(6144, 2048), 64))
-    policy = KernelPolicy(staged_gemv=True, staged_gemv_max_rows=2)
-    x = torch.randn(3, 2048)
-    assert not cuda_ops._gemv_staged(policy, x, w, torch.empty(3, 6144), *[None] * 3, 1e-6, {"ACT": 0})
+    calls.clear()
+    assert cuda_ops._gemv_gluon_rows(policy, torch.randn(2, 64), *[None] * 6, {}) == gluon_on
+    assert calls == (["gluon"] if gluon_on else [])  # the staged GEMV is one row's only
 
 
 @pytest.mark.parametrize(("n", "k", "act"), [(6144, 2048, 0), (5632, 2048, 1), (2048, 5632, 0), (32000, 2048, 0),

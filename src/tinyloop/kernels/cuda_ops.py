@@ -86,14 +86,14 @@ def _gemv_staged(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ou
         staged_plan,
     )
 
-    (M, K), N = x.shape, out.shape[1]
-    if not policy.staged_applies(N, K, flags["ACT"], M):
+    N, K = out.shape[1], x.shape[1]
+    if not policy.staged_applies(N, K, flags["ACT"]):
         return False
     words = w.packed.view(torch.int32)
     aligned = all(t.data_ptr() % 16 == 0 for t in (words, w.scale, w.minimum))
     if not (aligned and words.is_contiguous() and w.scale.is_contiguous() and w.minimum.is_contiguous()):
         return False
-    plan = staged_plan(N, K, flags["ACT"], _sm_count(x.device.index or 0), w.scale.element_size(), M)
+    plan = staged_plan(N, K, flags["ACT"], _sm_count(x.device.index or 0), w.scale.element_size())
     if plan is None:
         return False
     rows, blocks = words.shape[0], K // 64
@@ -105,8 +105,8 @@ def _gemv_staged(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ou
     rows_per_thread, warps, register_cap = policy.staged_layout
     try:
         _gemv_int4_staged_kernel[(plan.programs,)](
-            x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, x.stride(0), out.stride(0), res.stride(0),
-            PRMT_HIGH_BYTE, M=M, R=rows_per_thread, WR=warps, num_warps=warps,
+            x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, PRMT_HIGH_BYTE,
+            R=rows_per_thread, WR=warps, num_warps=warps,
             NORM=flags["NORM"], BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"],
             TILES=plan.tiles, KCH=plan.chunks, **policy.gluon_pdl_options(policy.staged_launch_dependents),
             **({"maxnreg": register_cap} if register_cap else {}),
@@ -121,9 +121,15 @@ def _gemv_staged(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ou
 def _gemv_gluon_rows(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor,
                      res: torch.Tensor, nw: torch.Tensor, b: torch.Tensor, eps: float,
                      flags: dict) -> bool:  # fmt: skip
-    """The staged GEMV where it is on and its plan applies (up to `staged_gemv_max_rows` rows), else the plain
-    Gluon one where it is on. False: neither ran (the Triton kernels then do)."""
-    if policy.staged_gemv and "staged" not in _UNBUILDABLE and _gemv_staged(policy, x, w, out, res, nw, b, eps, flags):
+    """One row: the staged GEMV where it is on and its plan applies; else (and for a few rows) the plain Gluon
+    one where it is on. False: neither ran (the Triton kernels then do)."""
+    one_row = x.shape[0] == 1
+    if (
+        one_row
+        and policy.staged_gemv
+        and "staged" not in _UNBUILDABLE
+        and _gemv_staged(policy, x, w, out, res, nw, b, eps, flags)
+    ):
         return True
     return policy.gluon_gemv and "gluon" not in _UNBUILDABLE and _gemv_gluon(policy, x, w, out, res, nw, b, eps, flags)
 

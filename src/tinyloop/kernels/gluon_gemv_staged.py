@@ -1,6 +1,6 @@
-"""Gluon GEMV for one or a few rows times a blocked INT4 matrix that copies its whole weight slice into shared
-memory (TMA) before it waits for the previous kernel, so that in the decode chain each GEMV's weight reads
-overlap the kernel before it.
+"""Gluon GEMV for one row times a blocked INT4 matrix that copies its whole weight slice into shared memory
+(TMA) before it waits for the previous kernel, so that in the decode chain each GEMV's weight reads overlap
+the kernel before it.
 
 Why: the one-row GEMVs of a decode step last a few microseconds and are mostly latency (launch, first loads,
 tail), not bandwidth (kernels/gluon_gemv.py under ncu: 18.75 % occupancy, DRAM 15 % busy). Weights never
@@ -9,8 +9,7 @@ kernel still runs, ask the TMA unit for all of its rows (one thread's instructio
 next kernel launch, and only then wait for its input. Each program takes TILES tiles of BN rows times the
 whole of K (cuda_ops.staged_plan sizes it so that two programs fit in one SM's shared memory: this one and
 the next kernel's). x is normalized once per program into shared memory, in the order the weight words need
-it; with several rows of x (a batched step's sequences) each weight is decoded once for all of them.
-Arithmetic, weight layout and epilogue as kernels/gluon_gemv.py; CUDA with TMA (Hopper and later) only.
+it. Arithmetic, weight layout and epilogue as kernels/gluon_gemv.py; CUDA with TMA (Hopper and later) only.
 """
 
 from __future__ import annotations
@@ -61,11 +60,11 @@ class StagedPlan:
 
 
 @functools.cache  # asked once per launch; a pure function of the shape
-def staged_plan(n: int, k: int, act: int, sms: int, scale_bytes: int = 2, rows: int = 1) -> StagedPlan | None:
-    """The cut for an N x K GEMV (2N rows read for SwiGLU, act 1) over `rows` rows of x on `sms` SMs: the
-    fewest tiles per program that still give every SM at most one program. None where the kernel does not
-    apply: K not a whole number of 64-column blocks whose scales fill 16-byte rows (TMA's stride rule), or
-    more shared memory than SMEM_BUDGET (a large vocabulary head)."""
+def staged_plan(n: int, k: int, act: int, sms: int, scale_bytes: int = 2) -> StagedPlan | None:
+    """The cut for an N x K GEMV (2N rows read for SwiGLU, act 1) on `sms` SMs: the fewest tiles per program
+    that still give every SM at most one program. None where the kernel does not apply: K not a whole number
+    of 64-column blocks whose scales fill 16-byte rows (TMA's stride rule), or more shared memory than
+    SMEM_BUDGET (a large vocabulary head)."""
     if n <= 0 or k <= 0 or k % 64 or (k // 64 * scale_bytes) % 16 or sms <= 0:
         return None
     chunks = -(-(k // 64) // CHUNK_BLOCKS)
@@ -73,7 +72,7 @@ def staged_plan(n: int, k: int, act: int, sms: int, scale_bytes: int = 2, rows: 
     tiles = -(-total_tiles // sms)
     halves = 2 if act == 1 else 1
     weights = halves * tiles * chunks * TILE_ROWS * CHUNK_BLOCKS * (8 * 4 + 2 * scale_bytes)
-    x_staged = (1 << (rows - 1).bit_length()) * chunks * CHUNK_BLOCKS * (64 * 4 + 4)
+    x_staged = chunks * CHUNK_BLOCKS * (64 * 4 + 4)
     smem = weights + x_staged + 1024  # + the barrier and the kernel's reduction scratch
     if smem > SMEM_BUDGET:
         return None
@@ -132,11 +131,7 @@ def _gemv_int4_staged_kernel(
     N,
     K,
     eps,
-    stride_x,
-    stride_out,
-    stride_res,
     magic,
-    M: gl.constexpr,
     NORM: gl.constexpr,
     BIAS: gl.constexpr,
     ACT: gl.constexpr,
@@ -147,21 +142,16 @@ def _gemv_int4_staged_kernel(
     WR: gl.constexpr,
     PDL: gl.constexpr,
 ):
-    """out[m, n] = act(sum_k norm(x[m])_k w[n, k]) (+ residual[m, n]) for the M rows of x; rows
-    pid * TILES * R * WR.. of w. w_desc: the words as [rows, blocks, 8] with [R * WR, 32, 8] boxes; s_desc /
-    m_desc: scales and minimums as [rows, blocks] with [R * WR, 32] boxes. SwiGLU (ACT 1) reads the up half N
-    rows further down."""
-    MP: gl.constexpr = 1 << (M - 1).bit_length()
-    # A thread holds R rows x 4 words of two 64-column blocks, and every row of x; a warp the 32 blocks (x 2
-    # half-blocks) of a chunk for its rows, so that no sum over blocks crosses warps (no barrier per tile).
-    L4: gl.constexpr = gl.BlockedLayout([MP, R, 2, 4], [1, 1, 16, 2], [1, WR, 1, 1], [3, 2, 1, 0])
-    W3: gl.constexpr = gl.SliceLayout(0, L4)  # [rows, blocks, words]
-    X3: gl.constexpr = gl.SliceLayout(1, L4)  # [m, blocks, words]
-    A3: gl.constexpr = gl.SliceLayout(3, L4)  # [m, rows, blocks]
-    G2: gl.constexpr = gl.SliceLayout(0, A3)  # [rows, blocks]
-    Y2: gl.constexpr = gl.SliceLayout(2, A3)  # [m, rows]
-    # Staged x: [nibble j, m, block, word] so that the words' x for one j are contiguous (no bank conflicts).
-    XS: gl.constexpr = gl.BlockedLayout([1, MP, 1, 4], [1, 1, 16, 2], [WR, 1, 1, 1], [3, 2, 1, 0])
+    """out[n] = act(sum_k norm(x)_k w[n, k]) (+ residual) for one row x; rows pid * TILES * R * WR.. of w.
+    w_desc: the words as [rows, blocks, 8] with [R * WR, 32, 8] boxes; s_desc / m_desc: scales and minimums
+    as [rows, blocks] with [R * WR, 32] boxes. SwiGLU (ACT 1) reads the up half N rows further down."""
+    # A thread holds R rows x 4 words of two 64-column blocks; a warp the 32 blocks (x 2 half-blocks) of a
+    # chunk for its rows, so that no sum over blocks crosses warps (no barrier per tile).
+    L3: gl.constexpr = gl.BlockedLayout([R, 2, 4], [1, 16, 2], [WR, 1, 1], [2, 1, 0])
+    L2: gl.constexpr = gl.SliceLayout(2, L3)  # [rows, blocks]
+    XL: gl.constexpr = gl.SliceLayout(0, L3)  # [blocks, words]
+    # Staged x: [nibble j, block, word] so that the words' x for one j are contiguous (no bank conflicts).
+    XS: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 16, 2], [WR, 1, 1], [2, 1, 0])
     BN: gl.constexpr = R * WR
     HALVES: gl.constexpr = 2 if ACT == 1 else 1
     row0 = gl.program_id(0) * (TILES * BN)
@@ -169,72 +159,64 @@ def _gemv_int4_staged_kernel(
     w_smem, s_smem, m_smem, bars = _stage_weights(w_desc, s_desc, m_desc, row0, N, BN, TILES, KCH, HALVES, PDL)
 
     # x (times the norm's gain) and its per-block sums, once per program; the norm's 1 / rms scales y at the end.
-    plain4: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[3, 2, 1, 0])
     plain3: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
-    x_smem = gl.allocate_shared_memory(gl.float32, [KCH, 8, MP, _CHUNK, 8], plain4)  # stored a chunk at a time
-    x_rows = x_smem._reinterpret(gl.float32, [KCH * 8, MP, _CHUNK, 8], plain3)  # read one (chunk, j) at a time
-    xsum_smem = gl.allocate_shared_memory(gl.float32, [KCH, MP, _CHUNK], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    XS3: gl.constexpr = gl.SliceLayout(3, XS)
-    nib = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, XS3)))
-    nib = gl.expand_dims(gl.expand_dims(gl.expand_dims(nib, 1), 2), 3)
-    xm = gl.arange(0, MP, layout=gl.SliceLayout(0, gl.SliceLayout(2, XS3)))
-    xm = gl.expand_dims(gl.expand_dims(gl.expand_dims(xm, 0), 2), 3)
-    blk = gl.arange(0, _CHUNK, layout=gl.SliceLayout(0, gl.SliceLayout(1, XS3)))
-    blk = gl.expand_dims(gl.expand_dims(gl.expand_dims(blk, 0), 1), 3)
-    word = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, XS))))
-    word = gl.expand_dims(gl.expand_dims(gl.expand_dims(word, 0), 1), 2)
-    sumsq = gl.zeros([8, MP, _CHUNK, 8], gl.float32, layout=XS)
+    plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    x_smem = gl.allocate_shared_memory(gl.float32, [KCH, 8, _CHUNK, 8], plain3)  # stored a chunk at a time
+    x_rows = x_smem._reinterpret(gl.float32, [KCH * 8, _CHUNK, 8], plain2)  # read one (chunk, j) at a time
+    xsum_smem = gl.allocate_shared_memory(gl.float32, [KCH, _CHUNK], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    nib = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, XS))), 1), 2)
+    blk = gl.expand_dims(gl.expand_dims(gl.arange(0, _CHUNK, layout=gl.SliceLayout(0, gl.SliceLayout(2, XS))), 0), 2)
+    word = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, XS))), 0), 1)
+    sumsq = gl.zeros([8, _CHUNK, 8], gl.float32, layout=XS)
     for c in gl.static_range(KCH):
         cols = (c * _CHUNK + blk) * 64 + nib * 8 + word
-        xv = gl.load(x_ptr + xm * stride_x + cols, mask=(cols < K) & (xm < M), other=0.0).to(gl.float32)
+        xv = gl.load(x_ptr + cols, mask=cols < K, other=0.0).to(gl.float32)
         if NORM:
             sumsq += xv * xv
             xv = xv * gl.load(nw_ptr + cols, mask=cols < K, other=0.0).to(gl.float32)
         x_smem.index(c).store(xv)
-        xsum_smem.index(c).store(gl.sum(gl.sum(xv, axis=3), axis=0))
+        xsum_smem.index(c).store(gl.sum(gl.sum(xv, axis=2), axis=0))
     rstd = 1.0
     if NORM:
-        ss = gl.sum(gl.sum(gl.sum(sumsq, axis=3), axis=2), axis=0)  # [m]
-        rstd = gl.expand_dims(gl.convert_layout(1.0 / gl.sqrt(ss / K + eps), gl.SliceLayout(1, Y2)), 1)  # [m, 1]
+        rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(gl.sum(sumsq, axis=2), axis=1), axis=0) / K + eps)
     gl.thread_barrier()
 
-    out_m = gl.expand_dims(gl.arange(0, MP, layout=gl.SliceLayout(1, Y2)), 1)
     for t in gl.static_range(TILES):
-        rows = gl.expand_dims(row0 + t * BN + gl.arange(0, BN, layout=gl.SliceLayout(0, Y2)), 0)
+        rows = row0 + t * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, L2))
         # Fetched first, so that their latency hides behind the tile's arithmetic (the residual is the
         # previous kernel's output: it cannot come before the wait).
-        bias, res = _load_bias_residual(out_m, rows, N, M, b_ptr, res_ptr, stride_res, BIAS, RESIDUAL)
+        bias, res = _load_bias_residual(0, rows, N, 1, b_ptr, res_ptr, 0, BIAS, RESIDUAL)
         mbarrier.wait(bars.index(t), 0)
-        acc = gl.zeros([MP, BN, _CHUNK], gl.float32, layout=A3)
-        acc_up = gl.zeros([MP, BN, _CHUNK], gl.float32, layout=A3)
+        acc = gl.zeros([BN, _CHUNK], gl.float32, layout=L2)
+        acc_up = gl.zeros([BN, _CHUNK], gl.float32, layout=L2)
         for c in gl.static_range(KCH):
             i = t * KCH + c
-            words = w_smem.index(i).load(W3)
+            words = w_smem.index(i).load(L3)
             # Bytes 0x80 | q << 3 of the even (lo) and odd (hi) nibbles; >> is arithmetic, the mask drops the sign.
             lo = ((words << 3) & 0x78787878) | -2139062144  # 0x80808080
             hi = ((words >> 1) & 0x78787878) | -2139062144
             lo_up = lo
             hi_up = hi
             if ACT == 1:
-                words_up = w_smem.index(i + TILES * KCH).load(W3)
+                words_up = w_smem.index(i + TILES * KCH).load(L3)
                 lo_up = ((words_up << 3) & 0x78787878) | -2139062144
                 hi_up = ((words_up >> 1) & 0x78787878) | -2139062144
-            part = gl.zeros([MP, BN, _CHUNK, 8], gl.float32, layout=L4)
-            part_up = gl.zeros([MP, BN, _CHUNK, 8], gl.float32, layout=L4)
+            part = gl.zeros([BN, _CHUNK, 8], gl.float32, layout=L3)
+            part_up = gl.zeros([BN, _CHUNK, 8], gl.float32, layout=L3)
             for j in gl.static_range(8):
-                x4 = gl.expand_dims(x_rows.index(c * 8 + j).load(X3), 1)
-                part += gl.expand_dims(_nibble_as_float(lo, hi, magic, j), 0) * x4
+                x3 = gl.expand_dims(x_rows.index(c * 8 + j).load(XL), 0)
+                part += _nibble_as_float(lo, hi, magic, j) * x3
                 if ACT == 1:
-                    part_up += gl.expand_dims(_nibble_as_float(lo_up, hi_up, magic, j), 0) * x4
-            xs = gl.expand_dims(xsum_smem.index(c).load(gl.SliceLayout(1, A3)), 1)  # [m, 1, blocks]
-            s = gl.expand_dims(s_smem.index(i).load(G2).to(gl.float32), 0)
-            mn = gl.expand_dims(m_smem.index(i).load(G2).to(gl.float32), 0)
-            acc += s * (16.0 * (gl.sum(part, axis=3) - xs)) + mn * xs
+                    part_up += _nibble_as_float(lo_up, hi_up, magic, j) * x3
+            xs = gl.expand_dims(xsum_smem.index(c).load(gl.SliceLayout(0, L2)), 0)  # [1, blocks]
+            s = s_smem.index(i).load(L2).to(gl.float32)
+            mn = m_smem.index(i).load(L2).to(gl.float32)
+            acc += s * (16.0 * (gl.sum(part, axis=2) - xs)) + mn * xs
             if ACT == 1:
-                s_up = gl.expand_dims(s_smem.index(i + TILES * KCH).load(G2).to(gl.float32), 0)
-                mn_up = gl.expand_dims(m_smem.index(i + TILES * KCH).load(G2).to(gl.float32), 0)
-                acc_up += s_up * (16.0 * (gl.sum(part_up, axis=3) - xs)) + mn_up * xs
-        y = gl.sum(acc, axis=2) * rstd
-        y_up = gl.sum(acc_up, axis=2) * rstd
-        _store_rows(y, y_up, out_m, rows, N, M, out_ptr, stride_out, bias, res, BIAS, ACT, RESIDUAL)
+                s_up = s_smem.index(i + TILES * KCH).load(L2).to(gl.float32)
+                mn_up = m_smem.index(i + TILES * KCH).load(L2).to(gl.float32)
+                acc_up += s_up * (16.0 * (gl.sum(part_up, axis=2) - xs)) + mn_up * xs
+        y = gl.sum(acc, axis=1) * rstd
+        y_up = gl.sum(acc_up, axis=1) * rstd
+        _store_rows(y, y_up, 0, rows, N, 1, out_ptr, 0, bias, res, BIAS, ACT, RESIDUAL)
     _release(bars, TILES, PDL)

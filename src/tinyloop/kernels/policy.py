@@ -64,10 +64,9 @@ class KernelPolicy:
     # `gluon_gemv_max_rows` rows: each weight is read and decoded once for all of them.
     gluon_gemv: bool = False
     gluon_gemv_max_rows: int = 4
-    # GEMVs of up to `staged_gemv_max_rows` rows that stage their weight slice in shared memory by TMA before
-    # the PDL wait (kernels/gluon_gemv_staged.py), for the shapes `staged_applies` names.
+    # One-row GEMVs that stage their weight slice in shared memory by TMA before the PDL wait
+    # (kernels/gluon_gemv_staged.py), for the shapes `staged_applies` names.
     staged_gemv: bool = False
-    staged_gemv_max_rows: int = 2
     # (N, K, act) shapes that take the staged GEMV; None: the rule in `staged_applies`.
     staged_shapes: frozenset[Shape] | None = None
     # (rows per thread, warps, register cap or 0) of the staged GEMV.
@@ -200,15 +199,12 @@ class KernelPolicy:
     def attention_block(self, head_dim: int) -> tuple[int, int]:
         return self.attention_tile if head_dim >= 128 else self.narrow_head_attention_tile
 
-    def staged_applies(self, n: int, k: int, act: int, rows: int = 1) -> bool:
-        """Whether an (N, K, act) product of `rows` rows takes the staged GEMV (where `staged_gemv` is on). Rule:
-        the wide products of a layer (N > K: QKV, gate / up) of models with K >= 2048, not a vocabulary head; on
+    def staged_applies(self, n: int, k: int, act: int) -> bool:
+        """Whether an (N, K, act) one-row product takes the staged GEMV (where `staged_gemv` is on). Rule: the
+        wide products of a layer (N > K: QKV, gate / up) of models with K >= 2048, not a vocabulary head; on
         seed-407m that is QKV and gate / up, which staged 75.0-75.3 ms against 76.3-76.7 with none (H200, 64
-        decode steps at 8 loops); staging all four layer products did not help (75.2-75.4). Up to
-        `staged_gemv_max_rows` rows, but SwiGLU only for one: at two its halves take 254 registers a thread, so
-        the next kernel cannot stage beside it (H100 batch-2 step 1.713 ms with it against 1.659 without)."""
-        if rows > self.staged_gemv_max_rows or (rows > 1 and act == ACT_SWIGLU):
-            return False
+        decode steps at 8 loops); staging all four layer products did not help (75.2-75.4). A 2-row step staged
+        (a generalised kernel, branch staged-rows) took 1.713 ms against 1.659 on the plain Gluon GEMV (H100)."""
         if self.staged_shapes is not None:
             return (n, k, act) in self.staged_shapes
         return act != ACT_GELU and STAGED_MIN_K <= k < n < VOCABULARY_MIN_N
