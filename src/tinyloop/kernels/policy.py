@@ -204,7 +204,7 @@ class KernelPolicy:
         wide products of a layer (N > K: QKV, gate / up) of models with K >= 2048, not a vocabulary head; on
         seed-407m that is QKV and gate / up, which staged 75.0-75.3 ms against 76.3-76.7 with none (H200, 64
         decode steps at 8 loops); staging all four layer products did not help (75.2-75.4). A 2-row step staged
-        (a generalised kernel, branch staged-rows) took 1.713 ms against 1.659 on the plain Gluon GEMV (H100)."""
+        (the kernel generalised to rows) took 1.713 ms against 1.659 on the plain Gluon GEMV (H100)."""
         if self.staged_shapes is not None:
             return (n, k, act) in self.staged_shapes
         return act != ACT_GELU and STAGED_MIN_K <= k < n < VOCABULARY_MIN_N
