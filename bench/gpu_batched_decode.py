@@ -17,16 +17,13 @@ Results of 2026-12-06 (H100): bench/results/h100_batched_decode.json, docs/BENCH
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import json
 import statistics
 import time
-from collections.abc import Iterator
-from unittest import mock
 
 import numpy as np
 import torch
+from gpu_suite import policy_overrides
 
 import tinyloop
 
@@ -61,20 +58,6 @@ def kernel_profile(model: tinyloop.Model, prompts: list[np.ndarray], loops: int)
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)
     return [(e.key[:70], round(e.device_time_total / 1e3, 2), e.count) for e in events[:12]]
-
-
-@contextlib.contextmanager
-def policy_overrides(fields: dict) -> Iterator[None]:
-    """Models loaded inside build their KernelPolicy with `fields` replaced (the loader's policy factory wrapped:
-    the policy stays a value built at load)."""
-    from tinyloop.kernels import cuda_backend
-
-    if not fields:
-        yield
-        return
-    built = cuda_backend.kernel_policy
-    with mock.patch.object(cuda_backend, "kernel_policy", lambda env: dataclasses.replace(built(env), **fields)):
-        yield
 
 
 def parse_overrides(pairs: list[str], tiles: str | None) -> dict:

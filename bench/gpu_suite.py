@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -26,9 +27,10 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import torch
@@ -36,7 +38,7 @@ from gpu_check import rel, teacher_forced
 
 import tinyloop
 from tinyloop.env import RuntimeEnv
-from tinyloop.kernels import cuda_ops
+from tinyloop.kernels import cuda_backend, cuda_ops
 from tinyloop.kernels.cuda_backend import kernel_policy
 from tinyloop.quant import BlockedInt4Weight, Int4Weight, quantize_int4
 
@@ -85,6 +87,18 @@ def with_env(env: dict[str, str], fn: Callable[[], Any]) -> Any:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@contextlib.contextmanager
+def policy_overrides(fields: dict) -> Iterator[None]:
+    """Models loaded inside build their KernelPolicy with `fields` replaced (the loader's policy factory wrapped:
+    the policy stays a value built at load)."""
+    if not fields:
+        yield
+        return
+    built = cuda_backend.kernel_policy
+    with mock.patch.object(cuda_backend, "kernel_policy", lambda env: dataclasses.replace(built(env), **fields)):
+        yield
 
 
 # ---- env ------------------------------------------------------------------------------------------

@@ -45,12 +45,11 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gpu_suite import decode_timing, timed, with_env
+from gpu_suite import decode_timing, policy_overrides, timed, with_env
 
 RESULTS: dict[str, Any] = {"errors": {}}
 OUT = Path("persistent_mlp.json")
@@ -425,7 +424,6 @@ def decode_numbers(path: str, loops: int, persistent: bool, new: int = 128, prom
     """Decode timing through the public API; `tile` (a TILE_SWEEP entry): the persistent kernel's one-row tile
     for the model's MLP shape, set in the policy the engine builds at load."""
     import tinyloop
-    from tinyloop.kernels import cuda_backend
 
     def run() -> dict[str, Any]:
         m = tinyloop.Model(path, max_seq_len=1024, device="cuda")
@@ -439,15 +437,8 @@ def decode_numbers(path: str, loops: int, persistent: bool, new: int = 128, prom
             m.close()
             torch.cuda.empty_cache()
 
-    if tile is None:
-        return with_env({"TINYLOOP_PERSISTENT_DECODE": "1" if persistent else "0"}, run)
-    built, chosen = cuda_backend.kernel_policy, parse_tile(tile)
-
-    def with_tile(env: Any) -> Any:
-        return dataclasses.replace(built(env), persistent_mlp_tiles={(D_MODEL, FFN, 1): chosen})
-
-    # the loader's policy factory wrapped for this load: the policy stays a value built at load
-    with mock.patch.object(cuda_backend, "kernel_policy", with_tile):
+    fields = {} if tile is None else {"persistent_mlp_tiles": {(D_MODEL, FFN, 1): parse_tile(tile)}}
+    with policy_overrides(fields):
         return with_env({"TINYLOOP_PERSISTENT_DECODE": "1" if persistent else "0"}, run)
 
 
