@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -100,19 +101,11 @@ def step_variants(engine: Engine, rounds: int) -> dict[str, dict[str, float]]:
     full = CpuDecoder._attention
 
     def no_core(self: CpuDecoder, h, lp, cache, slot, st, buf) -> None:  # noqa: ANN001
-        buf.product_into(buf.qkv, h, lp.qkv, lp.qkv_bias)
-        torch.mul(buf.qk4, st.cos4, out=buf.rot4)
-        buf.rot4.addcmul_(buf.qk4.flip(self._swap_dim), st.sin4)
-        if st.k_at is not None and st.v_at is not None:
-            st.k_at[slot].copy_(buf.k)
-            st.v_at[slot].copy_(buf.v)
-        else:
-            cache.k[slot][st.rows, :, st.pos] = buf.k
-            cache.v[slot][st.rows, :, st.pos] = buf.v
+        self._qkv_rope(h, lp, st, buf)
+        self._store_new_kv(cache, slot, st, buf)
 
     def ms(batch: int, slots: int, attention: bool, steps: int = 20) -> float:
-        CpuDecoder._attention = full if attention else no_core  # type: ignore[method-assign]
-        try:
+        with mock.patch.object(CpuDecoder, "_attention", full if attention else no_core):
             cache = engine.new_cache(batch, slots, 8)
             tokens = torch.randint(0, 256, (batch, 1), generator=torch.Generator().manual_seed(0))
             lengths = torch.tensor(POSITIONS[:batch] if batch > 1 else [80])
@@ -123,8 +116,6 @@ def step_variants(engine: Engine, rounds: int) -> dict[str, dict[str, float]]:
                 cache.lengths = lengths.clone()
                 engine.step(tokens, cache, 8, last_only=True)
             return (time.process_time() - t0) / steps * 1e3
-        finally:
-            CpuDecoder._attention = full  # type: ignore[method-assign]
 
     variants = [(b, s, att) for b in (1, 8) for s in (96, 256) for att in (True, False)]
     times: dict[tuple[int, int, bool], list[float]] = {v: [] for v in variants}

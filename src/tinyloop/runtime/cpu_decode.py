@@ -370,13 +370,26 @@ class CpuDecoder:
             return F.layer_norm(buf.tmp2, (2 * d,), n.weight, None, self.cfg.norm_eps)[:, :d]
         return F.layer_norm(buf.tmp2[:, :d], (d,), n.weight, n.bias, self.cfg.norm_eps)
 
-    def _attention(self, h: torch.Tensor, lp: _LayerPack, cache: KVCache, slot: int, st: _Step, buf: _Buffers) -> None:
-        """Attention of normalized rows h [B, d] into buf.attn2 ([B, q], before the out projection)."""
-        cfg = self.cfg
+    def _qkv_rope(self, h: torch.Tensor, lp: _LayerPack, st: _Step, buf: _Buffers) -> None:
+        """buf.qkv = h @ qkv, and RoPE on its q and k into buf.rot4."""
         buf.product_into(buf.qkv, h, lp.qkv, lp.qkv_bias)
         swapped = buf.qk4.flip(self._swap_dim)
         torch.mul(buf.qk4, st.cos4, out=buf.rot4)
         buf.rot4.addcmul_(swapped, st.sin4)  # RoPE on q and k: x * cos + swap_halves(x) * (-sin, sin)
+
+    def _store_new_kv(self, cache: KVCache, slot: int, st: _Step, buf: _Buffers) -> None:
+        """A one-token step's new keys and values into the cache at each row's position."""
+        if st.k_at is not None and st.v_at is not None:
+            st.k_at[slot].copy_(buf.k)
+            st.v_at[slot].copy_(buf.v)
+        else:
+            cache.k[slot][st.rows, :, st.pos] = buf.k
+            cache.v[slot][st.rows, :, st.pos] = buf.v
+
+    def _attention(self, h: torch.Tensor, lp: _LayerPack, cache: KVCache, slot: int, st: _Step, buf: _Buffers) -> None:
+        """Attention of normalized rows h [B, d] into buf.attn2 ([B, q], before the out projection)."""
+        cfg = self.cfg
+        self._qkv_rope(h, lp, st, buf)
         B, KVH = h.shape[0], cfg.n_kv_heads
         if st.prefill:
             start = int(st.pos[0])
@@ -388,12 +401,7 @@ class CpuDecoder:
             out = torch.bmm(torch.softmax(scores, dim=-1), st.views.values[slot])  # [KVH, T * G, hd]
             buf.attn.view(B, KVH, G, hd).copy_(out.view(KVH, B, G, hd).transpose(0, 1))
             return
-        if st.k_at is not None and st.v_at is not None:
-            st.k_at[slot].copy_(buf.k)
-            st.v_at[slot].copy_(buf.v)
-        else:
-            cache.k[slot][st.rows, :, st.pos] = buf.k
-            cache.v[slot][st.rows, :, st.pos] = buf.v
+        self._store_new_kv(cache, slot, st, buf)
         q = buf.q3 if buf.q3 is not None else buf.rot[:, : cfg.n_heads].reshape(B * KVH, -1, cfg.head_dim)
         scores = torch.baddbmm(st.mask, q, st.views.keys_t[slot])
         torch.bmm(torch.softmax(scores, dim=-1), st.views.values[slot], out=buf.attn)
