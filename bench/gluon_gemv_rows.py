@@ -1,10 +1,11 @@
 """The Gluon INT4 GEMV (src/tinyloop/kernels/gluon_gemv.py) over 1-8 rows of x, per tile, against what else a
 few-row product can run: the one-row kernels once per row, the Triton INT4 kernels (blocked GEMV / split-K), what
-the default policy runs (`policy`), and cuBLAS on a 16-bit copy of the weight (what batched decode steps
-multiply when `KernelPolicy.dense_copy_min_rows` sends them there). seed-407m's four layer products (the
-Ouro-1.4B shape has the same four), weights streamed from DRAM (16 copies per shape cycled inside one CUDA
-graph), bfloat16 activations. Every result is checked against a float32 product of the dequantized weight.
-Device only.
+the default policy runs (`policy`), torch's tinygemm INT4 kernel through the same launcher (`tinygemm`: what
+batched steps of `KernelPolicy.tinygemm_min_rows` to `tinygemm_max_rows` rows multiply), and cuBLAS on a 16-bit
+copy of the weight (what batched decode steps multiply when `KernelPolicy.dense_copy_min_rows` sends them
+there). seed-407m's four layer products (the Ouro-1.4B shape has the same four), weights streamed from DRAM
+(16 copies per shape cycled inside one CUDA graph), bfloat16 activations. Every result is checked against a
+float32 product of the dequantized weight. Device only.
 
     PYTHONPATH=src python bench/gluon_gemv_rows.py --out rows.json [--rows 1 2 3 4 8] [--budget-s 300]
 
@@ -27,7 +28,7 @@ from tinyloop.env import RuntimeEnv
 from tinyloop.kernels import cuda_ops
 from tinyloop.kernels.cuda_backend import kernel_policy
 from tinyloop.kernels.gluon_gemv import PRMT_HIGH_BYTE, _gemv_int4_gluon_kernel
-from tinyloop.quant import BlockedInt4Weight, quantize_int4
+from tinyloop.quant import BlockedInt4Weight, CudaTinygemmWeight, quantize_int4
 
 # name: (N, K, act, norm, residual) as the decode step calls them
 SHAPES = {"qkv": (6144, 2048, 0, True, False), "o": (2048, 2048, 0, False, True),
@@ -114,6 +115,7 @@ def main() -> None:
         ws = [BlockedInt4Weight.from_int4(quantize_int4(torch.randn(n, k, generator=gen) / k**0.5, 64)).to(dev)
               for _ in range(COPIES)]  # fmt: skip
         dense = [cuda_ops.dequantize_int4(w, torch.bfloat16) for w in ws]
+        tinygemm = [CudaTinygemmWeight.from_int4(w) for w in ws] if CudaTinygemmWeight.supports(ws[0]) else []
         nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(dev, torch.bfloat16) if norm else None
         n_out = n // 2 if act == 1 else n
         entry: dict = {}
@@ -139,6 +141,7 @@ def main() -> None:
             for label, fn, check in (("cublas_16bit", fused(policy, dense), True),
                                      ("int4_triton", fused(int4_triton, ws), True),
                                      ("policy", fused(policy, ws), True),
+                                     ("tinygemm", fused(policy, tinygemm), bool(tinygemm)),
                                      ("one_row_kernels_per_row", per_row, False)):  # fmt: skip
                 try:
                     if check:

@@ -55,6 +55,7 @@ def kernel_policy(env: RuntimeEnv) -> KernelPolicy:
         sdpa_math_only=env.disable_flash2_prefill,
         sdpa_cudnn=env.use_cudnn_sdpa,
         persistent_decode=triton_ok and env.persistent_decode,
+        tinygemm_max_rows=KernelPolicy.tinygemm_max_rows if tinygemm_supported() else 0,
     )
 
 
@@ -72,6 +73,13 @@ def install(policy: KernelPolicy) -> bool:
     register_linear_kernel("int4", "cuda", functools.partial(_int4_linear, policy))
     register_embedding_kernel("int4", "cuda", functools.partial(_int4_embedding, policy))
     return True
+
+
+def tinygemm_supported() -> bool:
+    """torch's CUDA tinygemm INT4 kernel: an Ampere-or-later GPU and a torch build that has it."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
+        return False
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm") and hasattr(torch.ops.aten, "_convert_weight_to_int4pack")
 
 
 def pdl_supported() -> bool:

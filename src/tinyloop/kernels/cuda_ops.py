@@ -29,9 +29,12 @@ from tinyloop.kernels.triton_matmul import (
 )
 from tinyloop.kernels.triton_norm import _rms_norm_kernel
 from tinyloop.log import info
-from tinyloop.quant import BlockedInt4Weight, Int4Weight
+from tinyloop.quant import BlockedInt4Weight, CudaTinygemmWeight, Int4Weight
 
-__all__ = ["ACT_GELU", "ACT_NONE", "ACT_SWIGLU", "CudaKernels", "KernelPolicy"]
+__all__ = ["ACT_GELU", "ACT_NONE", "ACT_SWIGLU", "CudaKernels", "KernelPolicy", "ProductWeight"]
+
+# What a product multiplies: a model weight, or a decoder's tinygemm repack of an INT4 one.
+ProductWeight = Weight | CudaTinygemmWeight
 
 # Gluon kernels that failed to compile with the installed Triton ("gluon", "staged"): a fact about this
 # process's Triton, recorded once so that later launches go straight to the Triton kernel.
@@ -157,7 +160,7 @@ def _block_width(w: Weight) -> int:
 def fused_linear(
     policy: KernelPolicy,
     x: torch.Tensor,
-    w: Weight,
+    w: ProductWeight,
     *,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
@@ -183,6 +186,8 @@ def fused_linear(
         out = residual
     else:
         out = torch.empty((M, N), dtype=dtype, device=x.device)
+    if isinstance(w, CudaTinygemmWeight):
+        return _linear_unfused(policy, x, w, norm_weight, eps, bias, act, residual, out)
     blocked = isinstance(w, BlockedInt4Weight)
     if blocked:
         many_rows = policy.int4_rows_on_cublas(M)
@@ -287,7 +292,7 @@ def _dense_weight(w: Weight, dtype: torch.dtype) -> torch.Tensor:
 def _linear_unfused(
     policy: KernelPolicy,
     x: torch.Tensor,
-    w: Weight,
+    w: ProductWeight,
     norm_weight: torch.Tensor | None,
     eps: float,
     bias: torch.Tensor | None,
@@ -295,8 +300,8 @@ def _linear_unfused(
     residual: torch.Tensor | None,
     out: torch.Tensor,
 ) -> torch.Tensor:
-    """Many rows: the product in one cuBLAS launch (`_product`), with the residual sum in the GEMM and SwiGLU
-    in one launch after it."""
+    """Many rows: the product in one cuBLAS (or tinygemm) launch (`_product`), with the residual sum in the GEMM
+    (or one launch after tinygemm) and SwiGLU in one launch after it."""
     h = rms_norm(policy, x, norm_weight, eps) if norm_weight is not None else x
     b = None if bias is None else bias.to(x.dtype)
     plain_epilogue = act == ACT_NONE and out.dtype == x.dtype
@@ -322,12 +327,19 @@ def _linear_unfused(
 
 
 def _product(
-    h: torch.Tensor, w: Weight, b: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor | None
+    h: torch.Tensor, w: ProductWeight, b: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor | None
 ) -> torch.Tensor:
     """h @ w.T (+ b) (+ residual: only without b), accumulated in float32 and rounded once, into `out` (or a
-    new tensor): cuBLAS on the weight in h's dtype (INT4 dequantized into scratch)."""
+    new tensor): cuBLAS on the weight in h's dtype (INT4 dequantized into scratch). A tinygemm weight's
+    product is its own new tensor, and the bias or residual is added in a second launch (into `out`)."""
     if residual is not None and b is not None:
         raise ValueError("_product fuses a bias or a residual, not both")
+    if isinstance(w, CudaTinygemmWeight):
+        y = w.mm(h)
+        addend = residual if residual is not None else b
+        if addend is None:
+            return y
+        return torch.add(addend, y, out=out) if out is not None else y.add_(addend)
     if out is None and residual is not None:
         out = torch.empty((h.shape[0], w.shape[0]), dtype=h.dtype, device=h.device)
     dense = _dense_weight(w, h.dtype)
@@ -490,7 +502,7 @@ class CudaKernels:
     def __init__(self, policy: KernelPolicy) -> None:
         self.policy = policy
 
-    def fused_linear(self, x: torch.Tensor, w: Weight, **options: Any) -> torch.Tensor:
+    def fused_linear(self, x: torch.Tensor, w: ProductWeight, **options: Any) -> torch.Tensor:
         return fused_linear(self.policy, x, w, **options)
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

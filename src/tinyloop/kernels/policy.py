@@ -83,11 +83,18 @@ class KernelPolicy:
     # 16-bit weights: products of more rows than this go to cuBLAS (flat in the row count on an H100, where
     # the Triton GEMV of 2-4 rows costs ~2x per row).
     matvec_16bit_max_rows: int = 1
+    # Batched one-token steps of `tinygemm_min_rows` to `tinygemm_max_rows` sequences in bfloat16 multiply torch's
+    # CUDA tinygemm INT4 kernel (quant.CudaTinygemmWeight: the INT4 matrices repacked on the first such step,
+    # as many bytes again); max 0: never. H100, seed-407m's four layer products (µs, docs/BENCHMARKS.md): 2 rows
+    # 27.0 against 40.3 on the Gluon GEMV, 4 rows 32.3 and 8 rows 44.3 against 53.5 on the 16-bit copies, 16
+    # rows 70 against 53.6. A single sequence's verification passes keep the INT4 kernels (see dense_copies).
+    tinygemm_min_rows: int = 2
+    tinygemm_max_rows: int = 8
     # Steps of at least this many sequences (batched decode), and prefill-sized ones, multiply 16-bit copies of
     # the model's INT4 matrices through cuBLAS, made on the first such step and kept while the engine lives
-    # (where they fit the decoder's memory budget); 0: never. H100, seed-407m's four layer products: 2 rows
-    # 40 µs on the Gluon GEMV against 53 µs on the copies; 3 rows 59 against 53 (docs/BENCHMARKS.md).
-    dense_copy_min_rows: int = 3
+    # (where they fit the decoder's memory budget); 0: never. cuBLAS on the copies is flat in the row count
+    # (seed-407m's four layer products 53.5 µs on an H100 at 1-64 rows).
+    dense_copy_min_rows: int = 9
     # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
     splitk_programs: int = 264
     # Cached attention (keys per block, warps) for heads of at least 128 and for narrower heads.

@@ -24,13 +24,13 @@ import torch
 from tinyloop.cache.kv import KVCache
 from tinyloop.kernels import l2_residency
 from tinyloop.kernels.attention_backend import sdpa
-from tinyloop.kernels.cuda_ops import CudaKernels, dequantize_int4
+from tinyloop.kernels.cuda_ops import CudaKernels, ProductWeight, dequantize_int4
 from tinyloop.kernels.dispatch import Weight, embedding
 from tinyloop.log import detail, info
 from tinyloop.model.looped import ForwardOutput, run
 from tinyloop.model.ops import gate_logit
 from tinyloop.model.weights import LayerWeights, Norm
-from tinyloop.quant import Int4Weight
+from tinyloop.quant import CudaTinygemmWeight, Int4Weight
 from tinyloop.runtime.decode_path import DecoderHost
 from tinyloop.stochastic.weight import StochasticInt4Weight
 
@@ -116,6 +116,10 @@ class FusedDecoder:
         # id(INT4 matrix) -> its 16-bit copy, made by the first step of dense_copy_min_rows rows.
         self._dense_copies: dict[int, torch.Tensor] = {}
         self.dense_copy_bytes = 0  # counted in vram_usage_mb
+        self._tinygemm_fits = engine.device.type == "cuda" and 0 < int4_numel // 2 <= budget
+        # id(INT4 matrix) -> it repacked for torch's tinygemm kernel, made by the first small batched step.
+        self._tinygemm: dict[int, CudaTinygemmWeight] = {}
+        self.tinygemm_bytes = 0  # counted in vram_usage_mb
         self._qkv_bias: dict[int, torch.Tensor | None] = {}
         for lw in self._all_layers():
             self._qkv_bias[id(lw)] = self._combined_bias(lw)
@@ -212,6 +216,30 @@ class FusedDecoder:
         self.graph_bytes = 0
         self._dense_copies = {}
         self.dense_copy_bytes = 0
+        self._tinygemm = {}
+        self.tinygemm_bytes = 0
+
+    def step_weights(self, batch: int, tokens: int) -> dict[int, ProductWeight]:
+        """What a step of `batch` sequences x `tokens` tokens multiplies in place of the INT4 matrices (by id):
+        their tinygemm repacks in small batched steps, their 16-bit copies in many-row ones, none otherwise."""
+        packs: dict[int, ProductWeight] = dict(self.tinygemm_weights(batch, tokens))
+        return packs or dict(self.dense_copies(batch, tokens))
+
+    def tinygemm_weights(self, batch: int, tokens: int) -> dict[int, CudaTinygemmWeight]:
+        """The INT4 matrices repacked for torch's tinygemm kernel (those whose shape it takes), made on first use,
+        for batched one-token steps of policy.tinygemm_min_rows to tinygemm_max_rows sequences in bfloat16.
+        Like the 16-bit copies, never for a single sequence's steps (see `dense_copies`)."""
+        policy = self.kernels.policy
+        small_batch = tokens == 1 and max(2, policy.tinygemm_min_rows) <= batch <= policy.tinygemm_max_rows
+        if not (small_batch and self.engine.dtype == torch.bfloat16 and self._tinygemm_fits):
+            return {}
+        if not self._tinygemm:
+            fitting = [m for m in self._int4_matrices if CudaTinygemmWeight.supports(m)]
+            packs = {id(m): CudaTinygemmWeight.from_int4(m) for m in fitting}
+            self.tinygemm_bytes = sum(p.nbytes for p in packs.values())
+            info(f"small batched steps: INT4 matrices repacked for tinygemm ({self.tinygemm_bytes / 2**20:.0f} MiB)")
+            self._tinygemm = packs
+        return self._tinygemm
 
     def dense_copies(self, batch: int, tokens: int) -> dict[int, torch.Tensor]:
         """The 16-bit copies a step of `batch` sequences x `tokens` tokens multiplies instead of the INT4
@@ -307,7 +335,9 @@ class FusedDecoder:
         to dequantize it, and its GEMMs read the 16-bit copies, which the window does not cover). On the H200
         this alone did not remove the prefill cost of L2 residency (still +3-7 % on a body that
         fits): the persisting share itself takes L2 from the GEMMs (see l2_residency.SHARE_OFF_DURING_PREFILL)."""
-        return None if self._rows_on_cublas(batch, tokens) else self.engine.l2_window
+        if self._rows_on_cublas(batch, tokens) or self.tinygemm_weights(batch, tokens):
+            return None
+        return self.engine.l2_window
 
     def _capture_stream(self) -> torch.cuda.Stream:
         """The stream graphs are captured from, one per decoder; it carries the engine's L2 window (if any)
@@ -351,11 +381,11 @@ class _FusedOps:
         self.dec, self.k, self.cache, self.positions = dec, dec.kernels, cache, positions
         self.cfg, self.eng = dec.cfg, dec.engine
         self.B, self.T, self.last_only = B, T, last_only
-        self.dense = dec.dense_copies(B, T)
+        self.substitutes = dec.step_weights(B, T)
 
-    def _w(self, w: Weight) -> Weight:
-        """The weight this step multiplies: its 16-bit copy in many-row steps, else w."""
-        return self.dense.get(id(w), w) if self.dense else w
+    def _w(self, w: Weight) -> ProductWeight:
+        """The weight this step multiplies: its tinygemm repack or 16-bit copy where the step takes one, else w."""
+        return self.substitutes.get(id(w), w) if self.substitutes else w
 
     def embed(self, tokens: torch.Tensor, scale: float) -> torch.Tensor:
         x = embedding(tokens, self.eng.weights.embed, self.eng.dtype)
@@ -384,12 +414,12 @@ class _FusedOps:
     def project(
         self, h: torch.Tensor, w: Weight, residual: torch.Tensor | None = None, *, into_residual: bool = False
     ) -> torch.Tensor:
-        w = self._w(w)
+        product_weight = self._w(w)
         if residual is None:
-            return self.k.fused_linear(h, w)
+            return self.k.fused_linear(h, product_weight)
         if into_residual:
-            return self.k.fused_linear(h, w, residual=residual, into_residual=True)
-        return self.k.fused_linear(h, w, residual=residual)
+            return self.k.fused_linear(h, product_weight, residual=residual, into_residual=True)
+        return self.k.fused_linear(h, product_weight, residual=residual)
 
     def post_norm(self, y: torch.Tensor, n: Norm, residual: torch.Tensor, *, sum_first: bool) -> torch.Tensor:
         # rms_norm mode 1: residual + norm(y); mode 2: norm(y + residual)
