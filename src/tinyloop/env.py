@@ -43,6 +43,7 @@ class RuntimeEnv:
     disable_pdl: bool
     disable_gluon_gemv: bool
     disable_staged_gemv: bool
+    disable_tinygemm: bool
     persistent_decode: bool
     disable_flash2_prefill: bool
     disable_l2_residency: bool
@@ -66,6 +67,7 @@ class RuntimeEnv:
             disable_pdl=_flag("TINYLOOP_DISABLE_PDL"),
             disable_gluon_gemv=_flag("TINYLOOP_DISABLE_GLUON_GEMV"),
             disable_staged_gemv=_flag("TINYLOOP_DISABLE_STAGED_GEMV"),
+            disable_tinygemm=_flag("TINYLOOP_DISABLE_TINYGEMM"),
             persistent_decode=_flag("TINYLOOP_PERSISTENT_DECODE"),
             disable_flash2_prefill=_flag("TINYLOOP_DISABLE_FLASH2_PREFILL"),
             disable_l2_residency=_flag("TINYLOOP_DISABLE_L2_RESIDENCY"),

@@ -55,7 +55,7 @@ def kernel_policy(env: RuntimeEnv) -> KernelPolicy:
         sdpa_math_only=env.disable_flash2_prefill,
         sdpa_cudnn=env.use_cudnn_sdpa,
         persistent_decode=triton_ok and env.persistent_decode,
-        tinygemm_max_rows=KernelPolicy.tinygemm_max_rows if tinygemm_supported() else 0,
+        tinygemm=not env.disable_tinygemm and tinygemm_supported(),
     )
 
 

@@ -85,9 +85,11 @@ class KernelPolicy:
     matvec_16bit_max_rows: int = 1
     # Batched one-token steps of `tinygemm_min_rows` to `tinygemm_max_rows` sequences in bfloat16 multiply torch's
     # CUDA tinygemm INT4 kernel (quant.CudaTinygemmWeight: the INT4 matrices repacked on the first such step,
-    # as many bytes again); max 0: never. H100, seed-407m's four layer products (µs, docs/BENCHMARKS.md): 2 rows
-    # 27.0 against 40.3 on the Gluon GEMV, 4 rows 32.3 and 8 rows 44.3 against 53.5 on the 16-bit copies, 16
-    # rows 70 against 53.6. A single sequence's verification passes keep the INT4 kernels (see dense_copies).
+    # as many bytes again), where `tinygemm` is on. H100, seed-407m's four layer products (µs,
+    # docs/BENCHMARKS.md): 2 rows 27.0 against 40.3 on the Gluon GEMV, 4 rows 32.3 and 8 rows 44.3 against 53.5
+    # on the 16-bit copies, 16 rows 70 against 53.6. A single sequence's verification passes keep the INT4
+    # kernels (see FusedDecoder.dense_copies).
+    tinygemm: bool = False
     tinygemm_min_rows: int = 2
     tinygemm_max_rows: int = 8
     # Steps of at least this many sequences (batched decode), and prefill-sized ones, multiply 16-bit copies of

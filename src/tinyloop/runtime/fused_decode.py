@@ -231,7 +231,7 @@ class FusedDecoder:
         Like the 16-bit copies, never for a single sequence's steps (see `dense_copies`)."""
         policy = self.kernels.policy
         small_batch = tokens == 1 and max(2, policy.tinygemm_min_rows) <= batch <= policy.tinygemm_max_rows
-        if not (small_batch and self.engine.dtype == torch.bfloat16 and self._tinygemm_fits):
+        if not (policy.tinygemm and small_batch and self.engine.dtype == torch.bfloat16 and self._tinygemm_fits):
             return {}
         if not self._tinygemm:
             fitting = [m for m in self._int4_matrices if CudaTinygemmWeight.supports(m)]
