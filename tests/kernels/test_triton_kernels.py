@@ -10,7 +10,7 @@ from helpers import frob_rel_error, interpreter_policy
 from tinyloop.config import ArchConfig
 from tinyloop.kernels import cuda_ops
 from tinyloop.model.layers import apply_rope, rope_tables
-from tinyloop.quant import BlockedInt4Weight, Int4Weight, quantize_int4
+from tinyloop.quant import BlockedInt4Weight, CudaTinygemmWeight, Int4Weight, quantize_int4, tinygemm_scales_zeros
 
 POLICY = interpreter_policy()
 ops = cuda_ops.CudaKernels(POLICY)  # type: ignore[arg-type]
@@ -184,6 +184,60 @@ def test_fused_linear_into_residual(rows: int) -> None:
     got = ops.fused_linear(x, blocked, residual=target, into_residual=True)
     assert got.data_ptr() == target.data_ptr()
     assert frob_rel_error(got, want.double()) <= 1e-6
+
+
+class CpuStandInTinygemm(CudaTinygemmWeight):
+    """The CUDA tinygemm weight's path through the launchers, run on the CPU: torch's CPU tinygemm kernel takes the
+    same scales and zeros ((q - 8) * scale + zero) in its own packed layout."""
+
+    @classmethod
+    def of(cls, w: Int4Weight) -> CpuStandInTinygemm:
+        packed = torch._convert_weight_to_int4pack_for_cpu(w.codes(w.packed).to(torch.int32), 1)
+        return cls(packed, tinygemm_scales_zeros(w), w.group_size, *w.shape)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_zeros)
+
+
+@pytest.mark.parametrize("rows", [2, 8])
+def test_tinygemm_products_take_the_unfused_epilogues(rows: int) -> None:
+    """A tinygemm weight's product with the norm before it and bias, SwiGLU, GELU and residual after it (also
+    into the residual's storage), against float64 with the weights tinygemm computes with: (q - 8) * scale + zero
+    from bfloat16 scales and zeros (zero = minimum + 8 * scale)."""
+    gen = torch.Generator().manual_seed(rows)
+    K, N = 256, 48
+    int4 = quantize_int4(torch.randn(2 * N, K, generator=gen) / K**0.5, 64)
+    scales_zeros = tinygemm_scales_zeros(int4).double()  # [K / G, 2N, 2]
+    codes = int4.codes(int4.packed).double()
+    scale, zero = (scales_zeros[..., i].t().repeat_interleave(64, dim=1) for i in (0, 1))
+    dense = (codes - 8) * scale + zero
+    assert frob_rel_error(dense, int4.dequantize().double()) <= 1e-2  # bfloat16 scales and zeros
+    upper = Int4Weight(int4.packed[:N].contiguous(), int4.scale[:N].contiguous(), int4.minimum[:N].contiguous(), 64)
+    whole, half = CpuStandInTinygemm.of(int4), CpuStandInTinygemm.of(upper)
+    x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
+    norm = 1 + 0.3 * torch.randn(K, generator=gen)
+    bias = 0.1 * torch.randn(N, generator=gen)
+    residual = torch.randn(rows, N, generator=gen).to(torch.bfloat16)
+    # The norm runs as its own launch before the product (its kernel: test_rms_norm_modes); in bfloat16,
+    # Triton's interpreter rounds its output toward zero (0.8 % low here), so the reference starts from it.
+    normed = ops.rms_norm(x, norm, 1e-6)
+    cases = [
+        (whole, dict(act=ops.ACT_SWIGLU, norm_weight=norm, eps=1e-6), normed, dict(act=ops.ACT_SWIGLU)),
+        (whole, dict(act=ops.ACT_GELU), x, dict(act=ops.ACT_GELU)),
+        (half, dict(norm_weight=norm, eps=1e-6), normed, dict()),
+        (half, dict(bias=bias), x, dict(bias=bias)),
+        (half, dict(residual=residual), x, dict(residual=residual)),
+        (half, dict(bias=bias, residual=residual), x, dict(bias=bias, residual=residual)),
+    ]
+    for w, kwargs, ref_x, ref_kwargs in cases:
+        got = ops.fused_linear(x, w, **kwargs)  # type: ignore[arg-type]
+        ref = reference(ref_x.double(), dense if w is whole else dense[:N], **ref_kwargs)
+        assert got.dtype == torch.bfloat16 and got.shape == ref.shape
+        assert frob_rel_error(got, ref) <= 1e-2, kwargs
+    target = residual.clone()
+    got = ops.fused_linear(x, half, residual=target, into_residual=True)
+    assert got.data_ptr() == target.data_ptr()
+    assert torch.equal(got, ops.fused_linear(x, half, residual=residual))
 
 
 def test_gemv_register_cap_keeps_results() -> None:
