@@ -382,7 +382,7 @@ def test_one_token_rope_attention_equals_two_kernels() -> None:
     k2, v2 = k_cache.clone(), v_cache.clone()
     pos = torch.tensor([0, 7, 260])
     ops = cuda_ops.CudaKernels(interpreter_policy(split_attention_min_head_dim=16))  # type: ignore[arg-type]
-    assert ops.policy.rope_attention_tile(B, H, hd)[0] == 16
+    assert ops.policy.rope_attention_tile(B, H, hd)[0] == 4
     out = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, False)
     q = ops.rope_store(qkv, k2, v2, pos, cos, sin, H, KVH, hd, 1, False)
     assert torch.allclose(k_cache, k2, atol=1e-6) and torch.equal(v_cache, v2)

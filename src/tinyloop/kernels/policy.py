@@ -105,16 +105,14 @@ class KernelPolicy:
     # One-token attention (cuda_ops.rope_attention) on heads of at least `split_attention_min_head_dim` splits
     # each (row, head)'s keys among a power of two of programs, at most `split_attention_max_splits` (1: never),
     # the most with rows x heads x splits <= `split_attention_programs`: a function of the launch's shape, never
-    # of positions, so a captured graph keeps it. 528 is four programs per SM of an H100 / H200 (132 SMs): a
-    # program streams one block of keys and values at a time (64 x 128 x 2 x 2 bytes = 32 KB) and an SM needs
-    # ~40 KB in flight (its 25 GB/s share of 3.35 TB/s times ~1.5 us of DRAM latency), so two streaming programs
-    # per SM, four to cover those in their fixed work (RoPE, merging the splits). Past that a split only adds
-    # fixed work: 1 split from 32 rows of 16 heads; 16 splits of 64 keys cover 1,024 positions a block each, and
-    # cost a shorter cache little (splits past its keys end after one load). Unmeasured: bench/attention_batched.py.
-    split_attention_programs: int = 528
-    split_attention_max_splits: int = 16
+    # of positions, so a captured graph keeps it; splits that a short cache leaves no keys end at once. H100,
+    # seed-407m's heads (bench/attention_batched.py): 4 splits are the fastest or within 5 % of it at 1-64 rows
+    # and 256 or 1,024 positions, except long caches at 1-8 rows, where 16 splits halve the time (1 row, 1,024
+    # positions: 9.1 µs against 17.3) but cost short ones 5-15 % (1-2 rows, 256 positions).
+    split_attention_programs: int = 8192
+    split_attention_max_splits: int = 4
     # (keys per block, warps) of those programs, at any split count: 96-128 registers a thread (sm_90a, bf16
-    # heads of 128), so four or five programs fit an SM.
+    # heads of 128).
     split_attention_tile: tuple[int, int] = (64, 4)
     split_attention_min_head_dim: int = 128
     # RoPE + cache write: rows per program.
