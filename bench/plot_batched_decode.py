@@ -1,7 +1,8 @@
 """docs/gpu_batched_decode.png: aggregate decode tokens/s against batch size (bench/results/h100_batched_decode.json)
 for seed-407m (this code and the base) and the Ouro-1.4B shape, with each model's weight-reading bound: every
 step reads the INT4 weights once per layer application, so B rows cannot decode faster than B steps per
-(weight bytes / memory bandwidth).
+(weight bytes / memory bandwidth); and each row's bf16 K/V once per layer application, which the dotted bound adds
+(at the benchmark's last position, 128 + 64).
 
     python bench/plot_batched_decode.py [--bandwidth-tb-s 3.35]
 """
@@ -26,9 +27,18 @@ def int4_bytes_per_step(name: str, loops: int) -> float:
     return per_weight * (layer * applications + cfg.vocab_size * cfg.d_model)
 
 
+def kv_bytes_per_row(name: str, loops: int, positions: int) -> float:
+    """bf16 K/V bytes one decode step reads per row at `positions` cached positions (one cache per layer
+    application)."""
+    cfg = preset(name)
+    applications = cfg.n_prelude + cfg.n_coda + cfg.n_body * loops
+    return applications * 2 * cfg.n_kv_heads * cfg.head_dim * 2 * positions
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bandwidth-tb-s", type=float, default=3.35, help="H100 SXM HBM3: 3.35")
+    parser.add_argument("--positions", type=int, default=192, help="cached positions per row (128 + 64 new)")
     args = parser.parse_args()
     import matplotlib
 
@@ -37,16 +47,22 @@ def main() -> None:
 
     data = json.loads((ROOT / "bench/results/h100_batched_decode.json").read_text())
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = [("seed407m_current", "seed-407m, loops 8", "C0", "-"), ("seed407m_base", "seed-407m, base", "C0", ":"),
+    series = [("seed407m_current", "seed-407m, loops 8", "C0", "-"),
+              ("seed407m_base", "seed-407m, base 15d2b20", "C0", "-."),
               ("ouro_shape_this_code", "Ouro-1.4B shape, loops 4", "C1", "-")]  # fmt: skip
     for key, label, color, style in series:
         rows = data[key]["rows"]
         batches = sorted(int(b) for b in rows)
         ax.plot(batches, [rows[str(b)]["decode_tok_s"] for b in batches], style, marker="o", color=color, label=label)
+    batches = [1, 2, 4, 8, 16, 32, 64]
     for name, loops, color in (("seed-407m", 8, "C0"), ("ouro-1.4b-shape", 4, "C1")):
         step_s = int4_bytes_per_step(name, loops) / (args.bandwidth_tb_s * 1e12)
         ax.plot([1, 64], [1 / step_s, 64 / step_s], "--", color=color, alpha=0.5,
                 label=f"{name} weight-reading bound ({step_s * 1e3:.2f} ms/step)")  # fmt: skip
+        kv = kv_bytes_per_row(name, loops, args.positions)
+        bound = [b * args.bandwidth_tb_s * 1e12 / (int4_bytes_per_step(name, loops) + b * kv) for b in batches]
+        ax.plot(batches, bound, ":", color=color, alpha=0.5,
+                label=f"{name} weights + K/V at {args.positions} positions")  # fmt: skip
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch (rows decoding together)")
