@@ -125,28 +125,3 @@ def test_kernel_choice_is_never_a_rebound_global() -> None:
     assign = re.compile(r"\b(cuda_ops|attention_backend|cuda_backend|dispatch|policy)\.[A-Za-z_]+\s*=[^=]")
     for path in [*SRC.rglob("*.py"), *(SRC.parents[1] / "bench").rglob("*.py")]:
         assert not assign.search(path.read_text()), path
-
-
-def test_attention_splits_follow_the_programs_of_the_launch() -> None:
-    """Seed-407m's heads (16 of 128): the default's 4 splits from 1 to 128 rows (the measured winner), 2 past
-    them; with more splits allowed, splits fill the launch at few rows and shrink as rows grow; powers of two,
-    at most `split_attention_max_splits`, never more programs than `split_attention_programs` once split; narrow
-    heads and a policy of one split never split; an override table wins; split counts that are not powers of
-    two are refused."""
-    policy = KernelPolicy()
-    splits = {rows: policy.rope_attention_tile(rows, 16, 128)[0] for rows in (1, 2, 4, 8, 16, 32, 64, 128, 256)}
-    assert splits == {1: 4, 2: 4, 4: 4, 8: 4, 16: 4, 32: 4, 64: 4, 128: 4, 256: 2}
-    wide = KernelPolicy(split_attention_max_splits=16, split_attention_programs=528)
-    splits = {rows: wide.rope_attention_tile(rows, 16, 128)[0] for rows in (1, 2, 4, 8, 16, 32, 64, 128)}
-    assert splits == {1: 16, 2: 16, 4: 8, 8: 4, 16: 2, 32: 1, 64: 1, 128: 1}
-    for rows, n in splits.items():
-        assert n == 1 or rows * 16 * n <= wide.split_attention_programs
-        assert wide.rope_attention_tile(rows, 16, 128)[1:] == wide.split_attention_tile
-    assert policy.rope_attention_tile(1, 6, 64) == (1, *policy.narrow_head_attention_tile)
-    assert KernelPolicy(split_attention_max_splits=1).rope_attention_tile(1, 16, 128) == (1, 64, 4)
-    assert KernelPolicy(split_attention_programs=2048).rope_attention_tile(64, 16, 128)[0] == 2
-    assert KernelPolicy(rope_attention_tiles={(64, 16, 128): (8, 32, 2)}).rope_attention_tile(64, 16, 128) == (8, 32, 2)
-    for bad in ({"split_attention_max_splits": 3}, {"split_attention_max_splits": 0},
-                {"rope_attention_tiles": {(1, 16, 128): (6, 64, 4)}}):  # fmt: skip
-        with pytest.raises(ValueError, match="powers of two"):
-            KernelPolicy(**bad)  # type: ignore[arg-type]

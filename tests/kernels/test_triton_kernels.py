@@ -7,7 +7,6 @@ import torch
 import torch.nn.functional as F
 
 from helpers import frob_rel_error, interpreter_policy
-from naive_reference import _rope
 from tinyloop.config import ArchConfig
 from tinyloop.kernels import cuda_ops
 from tinyloop.model.layers import apply_rope, rope_tables
@@ -309,36 +308,20 @@ def test_rope_store_and_cached_attention(pairing: str, T: int) -> None:
     assert frob_rel_error(out, ref) <= 1e-6
 
 
-def naive_one_token_attention(qkv, k_cache, v_cache, pos, cfg):  # type: ignore[no-untyped-def]
-    """float64, from the architecture description: each row's query and new key rotated at its position, the
-    new key and value written at that position, the query attending to positions 0..pos; out [B, H * hd] and
-    the caches after the write."""
-    H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    k_ref, v_ref = k_cache.double(), v_cache.double()
-    out = torch.empty(qkv.shape[0], H * hd, dtype=torch.float64)
-    for b, p in enumerate(pos.tolist()):
-        q, k, v = qkv[b].double().split((H * hd, KVH * hd, KVH * hd))
-        q, k = _rope(q.view(1, H, hd), [p], cfg)[0], _rope(k.view(1, KVH, hd), [p], cfg)[0]
-        k_ref[b, :, p], v_ref[b, :, p] = k, v.view(KVH, hd)
-        for h in range(H):
-            keys, values = k_ref[b, h // (H // KVH), : p + 1], v_ref[b, h // (H // KVH), : p + 1]
-            out[b, h * hd : (h + 1) * hd] = torch.softmax(keys @ q[h] / hd**0.5, dim=0) @ values
-    return out, k_ref, v_ref
-
-
-# (splits, keys per block, warps): one split with the narrow head's tile and with the split kernel's, and 2-8
-# splits of blocks of 16-64 keys, so positions 0..299 give splits of zero to several blocks.
-ROPE_ATTENTION_TILES = [(1, 128, 4), (1, 32, 2), (2, 32, 2), (4, 64, 4), (8, 16, 1)]
-
-
-@pytest.mark.parametrize("tile", ROPE_ATTENTION_TILES, ids=lambda t: "x".join(map(str, t)))
+@pytest.mark.parametrize(
+    ("tile", "split"),
+    [((128, 4), None), ((256, 8), None), ((128, 4), (4, 64, 4)), ((128, 4), (2, 32, 2))],
+    ids=["whole-128", "whole-256", "4-splits", "2-splits"],
+)  # a split brings its own tile
 @pytest.mark.parametrize("pairing", ["half", "interleaved"])
-def test_one_token_rope_attention_matches_float64_and_one_split(pairing: str, tile: tuple[int, int, int]) -> None:
-    """Each split count against the float64 reference and against one split, positions from an empty cache
-    (0) through one block to several, so rows have one to all of their splits live; the partial states poisoned
-    first (a merge must read only the live splits' rows); run twice, so the merge must have reset its arrival
-    counts."""
-    B, H, KVH, hd, S = 6, 4, 2, 16, 300
+def test_one_token_rope_attention_equals_two_kernels(
+    pairing: str, tile: tuple[int, int], split: tuple[int, int, int] | None
+) -> None:
+    """Both attention tiles (keys per block, warps), positions past one block of either; split along the
+    keys (positions 0 and 7 leave splits empty), twice, so the arrival counts must have been reset."""
+    policy = interpreter_policy(narrow_head_attention_tile=tile, split_attention=split, split_attention_min_head_dim=16)
+    ops = cuda_ops.CudaKernels(policy)  # type: ignore[arg-type]
+    B, H, KVH, hd, S = 3, 4, 2, 16, 300
     gen = torch.Generator().manual_seed(4)
     cfg = ArchConfig(
         vocab_size=64, d_model=64, n_heads=H, n_kv_heads=KVH, head_dim=hd, ffn_dim=64,
@@ -346,47 +329,19 @@ def test_one_token_rope_attention_matches_float64_and_one_split(pairing: str, ti
     )  # fmt: skip
     cos, sin = rope_tables(cfg, S, "cpu")
     qkv = torch.randn(B, (H + 2 * KVH) * hd, generator=gen)
-    caches = torch.randn(B, KVH, S, hd, generator=gen), torch.randn(B, KVH, S, hd, generator=gen)
-    pos = torch.tensor([0, 7, 64, 65, 260, 299])
-    ref, k_ref, v_ref = naive_one_token_attention(qkv, *caches, pos, cfg)
-
-    def run(tile: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        policy = interpreter_policy(rope_attention_tiles={(B, H, hd): tile}, split_attention_min_head_dim=16)
-        ops = cuda_ops.CudaKernels(policy)  # type: ignore[arg-type]
-        k_cache, v_cache = (c.clone() for c in caches)
-        if tile[0] > 1:
-            cuda_ops._split_scratch(qkv.device, B * H, tile[0], hd)[0].fill_(float("nan"))
-        out = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, pairing == "interleaved")
-        again = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, pairing == "interleaved")
-        assert torch.equal(again, out)
-        return out, k_cache, v_cache
-
-    out, k_cache, v_cache = run(tile)
-    assert frob_rel_error(out, ref) <= 1e-6
-    assert frob_rel_error(k_cache, k_ref) <= 1e-7 and torch.equal(v_cache.double(), v_ref)
-    assert frob_rel_error(out, run((1, *tile[1:]))[0].double()) <= 1e-6
-    if tile[0] > 1:
-        counts = cuda_ops._split_scratch(qkv.device, B * H, tile[0], hd)[1]
-        assert not bool(counts.any())
-
-
-def test_one_token_rope_attention_equals_two_kernels() -> None:
-    """The one-launch path against rope_store + cached_attention, at the default policy's split count."""
-    B, H, KVH, hd, S = 3, 4, 2, 16, 300
-    gen = torch.Generator().manual_seed(5)
-    cfg = ArchConfig(vocab_size=64, d_model=64, n_heads=H, n_kv_heads=KVH, head_dim=hd, ffn_dim=64, n_prelude=0,
-                     n_body=1, n_coda=0)  # fmt: skip
-    cos, sin = rope_tables(cfg, S, "cpu")
-    qkv = torch.randn(B, (H + 2 * KVH) * hd, generator=gen)
     k_cache, v_cache = torch.randn(B, KVH, S, hd, generator=gen), torch.randn(B, KVH, S, hd, generator=gen)
     k2, v2 = k_cache.clone(), v_cache.clone()
     pos = torch.tensor([0, 7, 260])
-    ops = cuda_ops.CudaKernels(interpreter_policy(split_attention_min_head_dim=16))  # type: ignore[arg-type]
-    assert ops.policy.rope_attention_tile(B, H, hd)[0] == 4
-    out = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, False)
-    q = ops.rope_store(qkv, k2, v2, pos, cos, sin, H, KVH, hd, 1, False)
+    out = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, pairing == "interleaved")
+    q = ops.rope_store(qkv, k2, v2, pos, cos, sin, H, KVH, hd, 1, pairing == "interleaved")
+    ref = ops.cached_attention(q, k2, v2, pos, 1)
     assert torch.allclose(k_cache, k2, atol=1e-6) and torch.equal(v_cache, v2)
-    assert frob_rel_error(out, ops.cached_attention(q, k2, v2, pos, 1).double()) <= 1e-6
+    assert frob_rel_error(out, ref.double()) <= 1e-6
+    again = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, pairing == "interleaved")
+    assert torch.equal(again, out)
+    if split is not None:
+        counts = cuda_ops._split_scratch(qkv.device, B * H, split[0], hd)[1]
+        assert not bool(counts.any())
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
@@ -419,7 +374,7 @@ def test_narrow_heads_are_not_split(monkeypatch: pytest.MonkeyPatch) -> None:
     qkv = torch.randn(B, 3 * H * hd, generator=gen)
     caches = torch.randn(B, H, S, hd, generator=gen), torch.randn(B, H, S, hd, generator=gen)
     pos = torch.tensor([5, 33])
-    whole = cuda_ops.CudaKernels(interpreter_policy(split_attention_max_splits=1)).rope_attention(  # type: ignore[arg-type]
+    whole = cuda_ops.CudaKernels(interpreter_policy(split_attention=None)).rope_attention(  # type: ignore[arg-type]
         qkv, *(c.clone() for c in caches), pos, cos, sin, H, H, hd, False
     )
 
@@ -427,5 +382,5 @@ def test_narrow_heads_are_not_split(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("a narrow head was split")
 
     monkeypatch.setattr(cuda_ops, "_split_scratch", no_scratch)
-    assert hd < POLICY.split_attention_min_head_dim and POLICY.rope_attention_tile(B, H, 128)[0] > 1
+    assert POLICY.split_attention == (4, 64, 4) and hd < POLICY.split_attention_min_head_dim
     assert torch.equal(ops.rope_attention(qkv, *(c.clone() for c in caches), pos, cos, sin, H, H, hd, False), whole)

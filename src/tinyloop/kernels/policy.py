@@ -105,18 +105,9 @@ class KernelPolicy:
     # Cached attention (keys per block, warps) for heads of at least 128 and for narrower heads.
     attention_tile: tuple[int, int] = (256, 8)
     narrow_head_attention_tile: tuple[int, int] = (128, 4)
-    # One-token attention (cuda_ops.rope_attention) on heads of at least `split_attention_min_head_dim` splits
-    # each (row, head)'s keys among a power of two of programs, at most `split_attention_max_splits` (1: never),
-    # the most with rows x heads x splits <= `split_attention_programs`: a function of the launch's shape, never
-    # of positions, so a captured graph keeps it; splits that a short cache leaves no keys end at once. H100,
-    # seed-407m's heads (bench/attention_batched.py): 4 splits are the fastest or within 5 % of it at 1-64 rows
-    # and 256 or 1,024 positions, except long caches at 1-8 rows, where 16 splits halve the time (1 row, 1,024
-    # positions: 9.1 µs against 17.3) but cost short ones 5-15 % (1-2 rows, 256 positions).
-    split_attention_programs: int = 8192
-    split_attention_max_splits: int = 4
-    # (keys per block, warps) of those programs, at any split count: 96-128 registers a thread (sm_90a, bf16
-    # heads of 128).
-    split_attention_tile: tuple[int, int] = (64, 4)
+    # One-token attention split along the keys (splits, keys per block, warps) for heads of at least
+    # `split_attention_min_head_dim`; None: one program per (row, head).
+    split_attention: tuple[int, int, int] | None = (4, 64, 4)
     split_attention_min_head_dim: int = 128
     # RoPE + cache write: rows per program.
     rope_block_rows: int = 16
@@ -135,16 +126,11 @@ class KernelPolicy:
     gluon_tiles: Mapping[tuple[int, int, int, int], tuple[int, int, int, int, int]] = field(default_factory=dict)
     # (d_model, ffn, rows) -> tile of the persistent MLP kernel.
     persistent_mlp_tiles: Mapping[Shape, PersistentMlpTile] = field(default_factory=dict)
-    # (rows, heads, head_dim) -> (splits, keys per block, warps) of the one-token attention kernel.
-    rope_attention_tiles: Mapping[Shape, tuple[int, int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("staged_launch_dependents", "gluon_launch_dependents"):
             if getattr(self, name) not in UNDER_PDL:
                 raise ValueError(f"KernelPolicy.{name} is {getattr(self, name)!r}: expected one of {UNDER_PDL}")
-        splits = [self.split_attention_max_splits, *(tile[0] for tile in self.rope_attention_tiles.values())]
-        if any(s < 1 or s & (s - 1) for s in splits):
-            raise ValueError(f"KernelPolicy: attention split counts {splits} must be powers of two (the merge's width)")
         for f in fields(self):
             value = getattr(self, f.name)
             if f.name.endswith("_tiles") and not isinstance(value, MappingProxyType):
@@ -224,18 +210,6 @@ class KernelPolicy:
 
     def attention_block(self, head_dim: int) -> tuple[int, int]:
         return self.attention_tile if head_dim >= 128 else self.narrow_head_attention_tile
-
-    def rope_attention_tile(self, rows: int, n_heads: int, head_dim: int) -> tuple[int, int, int]:
-        """(splits, keys per block, warps) of the one-token attention kernel for `rows` rows of `n_heads` query
-        heads of `head_dim`: the split rule above, one split and the plain attention tile for narrower heads."""
-        if (rows, n_heads, head_dim) in self.rope_attention_tiles:
-            return self.rope_attention_tiles[(rows, n_heads, head_dim)]
-        if head_dim < self.split_attention_min_head_dim:
-            return (1, *self.attention_block(head_dim))
-        splits, programs = 1, rows * n_heads
-        while 2 * splits <= self.split_attention_max_splits and 2 * splits * programs <= self.split_attention_programs:
-            splits *= 2
-        return (splits, *self.split_attention_tile)
 
     def staged_applies(self, n: int, k: int, act: int) -> bool:
         """Whether an (N, K, act) one-row product takes the staged GEMV (where `staged_gemv` is on). Rule: the
