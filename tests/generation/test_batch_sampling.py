@@ -1,5 +1,5 @@
-"""A batch's sampled rows filtered together on the device (decode.prepared_picks, as a GPU step does) draw
-exactly what each row draws alone; the filters against a float64 definition written out here."""
+"""A batch's sampled rows filtered and drawn together on the device (decode.prepared_picks, as a GPU step does)
+draw exactly what each row draws alone; the filters and the draw against float64 definitions written out here."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from tinyloop.errors import NonFiniteLogitsError
 from tinyloop.runtime.decode import Row, prepared_picks
-from tinyloop.runtime.sampling import TokenPicker, filtered_probs, filtered_probs_rows
+from tinyloop.runtime.sampling import TokenPicker, drawn_tokens, filtered_probs, filtered_probs_rows
 from tinyloop.sampling import SamplingParams
 
 SETTINGS = [(0.7, 0, 1.0), (1.3, 5, 1.0), (0.9, 0, 0.8), (1.0, 20, 0.5), (2.0, 99, 0.95)]
@@ -55,7 +55,7 @@ def test_sampled_rows_prepared_in_a_batch_draw_what_they_draw_alone() -> None:
     batch, alone = _rows([*SETTINGS, (0.0, 50, 1.0)]), _rows([*SETTINGS, (0.0, 50, 1.0)])
     for _ in range(20):
         prepared = prepared_picks(batch, logits, sampled_in_batch=True)
-        assert all(isinstance(prepared[b], torch.Tensor) for b in range(len(SETTINGS)))
+        assert all(isinstance(prepared[b], int) for b in range(len(SETTINGS)))
         assert prepared[len(SETTINGS)] == int(logits[-1].argmax())
         for b in range(len(batch)):
             assert batch[b].picker.pick(logits[b], prepared[b]) == alone[b].picker.pick(logits[b])
@@ -72,3 +72,29 @@ def test_a_non_finite_row_fails_alone_in_a_batch(bad: float) -> None:
     with pytest.raises(NonFiniteLogitsError):
         rows[1].picker.pick(logits[1], prepared[1])
     assert rows[0].picker.pick(logits[0], prepared[0]) is not None
+
+
+def by_definition_draw(probs: list[float], u: float) -> int:
+    """The first token whose running sum of probabilities passes u times the total."""
+    total, running = sum(probs), 0.0
+    for token, p in enumerate(probs):
+        running += p
+        if running > u * total:
+            return token
+    return max(t for t, p in enumerate(probs) if p > 0)
+
+
+def test_draws_follow_the_cumulative_distribution_and_skip_zero_probabilities() -> None:
+    gen = torch.Generator().manual_seed(6)
+    probs = torch.rand(4, 30, generator=gen, dtype=torch.float64)
+    probs[:, ::3] = 0.0  # filtered-out tokens
+    probs[1, 25:] = 0.0  # a row whose last tokens are all filtered out
+    edges = torch.tensor([0.0, 1.0 - 2.0**-53, 0.5, 0.999999], dtype=torch.float64)
+    for uniforms in (edges, torch.rand(4, generator=gen, dtype=torch.float64)):
+        tokens = drawn_tokens(probs, uniforms).tolist()
+        for b in range(4):
+            assert probs[b, tokens[b]] > 0
+            assert tokens[b] == by_definition_draw(probs[b].tolist(), float(uniforms[b]))
+    many = torch.rand(20000, generator=gen, dtype=torch.float64)
+    counts = torch.bincount(drawn_tokens(probs[2:3].expand(20000, -1), many), minlength=30).double()
+    assert torch.allclose(counts / 20000, probs[2] / probs[2].sum(), atol=0.012)

@@ -35,6 +35,7 @@ from tinyloop.runtime.sampling import (
     TokenPicker,
     argmax_and_flagged,
     argmax_or_flag,
+    drawn_tokens,
     filtered_probs_rows,
     token_logprob,
 )
@@ -218,28 +219,31 @@ def pick_tokens(rows: Sequence[Row | None], logits: torch.Tensor) -> Iterator[tu
 
 def prepared_picks(
     rows: Sequence[Row | None], logits: torch.Tensor, *, sampled_in_batch: bool | None = None
-) -> dict[int, int | torch.Tensor]:
+) -> dict[int, int]:
     """What the live rows' pickers need from the device, computed for the batch at once instead of a few
-    synchronising launches per row: plain-greedy rows' argmax; on a GPU, plain sampled rows' distributions
-    (one transfer; the host only draws from them; `sampled_in_batch` says otherwise). -1 where a row's logits
-    are non-finite."""
+    synchronising launches per row: plain-greedy rows' argmax; on a GPU, plain sampled rows' tokens, filtered
+    and drawn on the device with one uniform from each row's generator (one transfer each way; `sampled_in_batch`
+    says otherwise). -1 where a row's logits are non-finite."""
     live = [(b, row.picker) for b, row in enumerate(rows) if row is not None and not row.done]
     greedy = [b for b, picker in live if picker.plain_greedy]
-    prepared: dict[int, int | torch.Tensor] = {}
+    prepared: dict[int, int] = {}
     if greedy:
         picked = logits if len(greedy) == logits.shape[0] else logits[torch.tensor(greedy, device=logits.device)]
         prepared.update(zip(greedy, argmax_or_flag(picked).tolist(), strict=True))
     in_batch = logits.is_cuda if sampled_in_batch is None else sampled_in_batch
-    sampled = [(b, picker.params) for b, picker in live if picker.plain_sampled] if in_batch else []
+    sampled = [(b, picker) for b, picker in live if picker.plain_sampled] if in_batch else []
     if sampled:
         picked = logits[torch.tensor([b for b, _ in sampled], device=logits.device)]
-        bad = (torch.isnan(picked).any(-1) | torch.isposinf(picked).any(-1)).tolist()
-        probs = filtered_probs_rows(picked, [(p.temperature, p.top_k, p.top_p) for _, p in sampled]).cpu()
-        prepared.update((b, -1 if bad[i] else probs[i]) for i, (b, _) in enumerate(sampled))
+        bad = torch.isnan(picked).any(-1) | torch.isposinf(picked).any(-1)
+        settings = [(picker.params.temperature, picker.params.top_k, picker.params.top_p) for _, picker in sampled]
+        probs = filtered_probs_rows(picked, settings)
+        uniforms = torch.stack([picker.uniform() for _, picker in sampled]).to(probs.device)
+        tokens = torch.where(bad, -1, drawn_tokens(probs, uniforms)).tolist()
+        prepared.update((b, tokens[i]) for i, (b, _) in enumerate(sampled))
     return prepared
 
 
-def pick_token(row: Row, logits: torch.Tensor, prepared: int | torch.Tensor | None = None) -> int | None:
+def pick_token(row: Row, logits: torch.Tensor, prepared: int | None = None) -> int | None:
     """Row's next token from its logits [V] (None: the row finished without one), with its bookkeeping.
     prepared: its part of `prepared_picks`, if taken."""
     token = record_token(row, row.picker.pick(logits, prepared))

@@ -24,7 +24,23 @@ def sample_next(
         return checked_argmax(logits.view(1, -1))[0]
     if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
         raise NonFiniteLogitsError()
-    return int(torch.multinomial(filtered_probs(logits, temperature, top_k, top_p), 1, generator=generator))
+    probs = filtered_probs(logits, temperature, top_k, top_p).view(1, -1)
+    return int(drawn_tokens(probs, uniform_draw(generator).view(1))[0])
+
+
+def uniform_draw(generator: torch.Generator | None) -> torch.Tensor:
+    """The one uniform number in [0, 1) (float64, on the CPU) that a sampled token costs its generator."""
+    return torch.rand((), dtype=torch.float64, generator=generator)
+
+
+def drawn_tokens(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Each row's token from its distribution probs [B, V] (float64, not necessarily normalised) and one uniform
+    in [0, 1) per row [B] (any device): the first token whose cumulative probability exceeds u times the total,
+    computed where the probabilities are. Never a zero-probability token: the point stays below the total."""
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    point = torch.minimum(uniforms.to(cdf)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True).squeeze(-1)
 
 
 def argmax_or_flag(logits: torch.Tensor) -> torch.Tensor:
@@ -127,17 +143,19 @@ class TokenPicker:
 
     @property
     def plain_sampled(self) -> bool:
-        """Sampled without a grammar: its distribution (`filtered_probs_rows`) can be computed with a batch's
-        and handed to `pick`."""
+        """Sampled without a grammar: its distribution (`filtered_probs_rows`) and its draw (`drawn_tokens`, from
+        the uniform it takes from its generator) can be computed with a batch's and handed to `pick`."""
         return self.grammar is None and self.params.temperature > 0.0
 
-    def pick(self, logits: torch.Tensor, prepared: int | torch.Tensor | None = None) -> int | None:
+    def uniform(self) -> torch.Tensor:
+        """The uniform its next sampled token is drawn with, taken from its generator as `pick` alone would."""
+        return uniform_draw(self.gen)
+
+    def pick(self, logits: torch.Tensor, prepared: int | None = None) -> int | None:
         """The next token, or None when a stop token was sampled. prepared: what a batch computed for a plain
-        picker (decode.prepared_picks): the argmax of a greedy one, the distribution of a sampled one, or -1
-        where the logits were non-finite."""
+        picker (decode.prepared_picks): the argmax of a greedy one, the token a sampled one drew with its own
+        uniform (`uniform_draw`), or -1 where the logits were non-finite."""
         p = self.params
-        if isinstance(prepared, torch.Tensor) and self.plain_sampled:
-            return self.take(int(torch.multinomial(prepared, 1, generator=self.gen)))
         if isinstance(prepared, int) and (self.plain_greedy or self.plain_sampled):
             return self.take(prepared)
         return self.take(sample_next(self.constrain(logits), p.temperature, p.top_k, p.top_p, self.gen))
