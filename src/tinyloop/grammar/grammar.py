@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
+import sys
 import threading
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -113,7 +115,67 @@ def _validate(pattern: str) -> str:
         body = body[1:]
     if body.endswith("$") and not _escaped(body, len(body) - 1):
         body = body[:-1]
-    return body
+    return _with_python_classes(body)
+
+
+# The automaton library reads \d, \s and \w as Unicode classes of its own (its \w also takes combining marks,
+# U+FE0E say, which Python's does not), so they are spelled out as Python reads them in str patterns.
+_CLASS_ESCAPES = "dswDSW"
+
+
+@functools.cache
+def _python_ranges(letter: str) -> tuple[tuple[int, int], ...]:
+    """The code points Python's `\\<letter>` matches (d, s or w; upper case: the complement), surrogates left
+    out, as inclusive ranges."""
+    if letter.isupper():
+        gaps, start = [], 0
+        for a, b in (*_python_ranges(letter.lower()), (0xD800, 0xDFFF), (sys.maxunicode + 1, sys.maxunicode + 1)):
+            if a > start:
+                gaps.append((start, a - 1))
+            start = max(start, b + 1)
+        return tuple(gaps)
+    rx = re.compile("\\" + letter)
+    found, start = [], None
+    for c in range(sys.maxunicode + 2):
+        member = c <= sys.maxunicode and not 0xD800 <= c <= 0xDFFF and rx.match(chr(c)) is not None
+        if member and start is None:
+            start = c
+        elif not member and start is not None:
+            found.append((start, c - 1))
+            start = None
+    return tuple(found)
+
+
+def _class_members(letter: str) -> str:
+    return "".join(f"\\x{{{a:x}}}" if a == b else f"\\x{{{a:x}}}-\\x{{{b:x}}}" for a, b in _python_ranges(letter))
+
+
+def _with_python_classes(pattern: str) -> str:
+    """`pattern` with each \\d, \\s, \\w and their complements replaced by the explicit class Python reads."""
+    out, i, in_class = [], 0, False
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\":
+            nxt = pattern[i + 1 : i + 2]
+            if nxt and nxt in _CLASS_ESCAPES:
+                members = _class_members(nxt)
+                out.append(members if in_class else f"[{members}]")
+            else:
+                out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        if in_class and ch == "]":
+            in_class = False
+        elif not in_class and ch == "[":
+            in_class = True
+            j = i + 1 + (pattern[i + 1 : i + 2] == "^")
+            if pattern[j : j + 1] == "]":  # a ']' right after '[' or '[^' is a member
+                out.append(pattern[i : j + 1])
+                i = j + 1
+                continue
+        out.append(ch)
+        i += 1
+    return "".join(out)
 
 
 def _escaped(pattern: str, i: int) -> bool:
