@@ -128,14 +128,17 @@ def _python_ranges(letter: str) -> tuple[tuple[int, int], ...]:
     """The code points Python's `\\<letter>` matches (d, s or w; upper case: the complement), surrogates left
     out, as inclusive ranges."""
     if letter.isupper():
-        gaps, start = [], 0
-        for a, b in (*_python_ranges(letter.lower()), (0xD800, 0xDFFF), (sys.maxunicode + 1, sys.maxunicode + 1)):
-            if a > start:
-                gaps.append((start, a - 1))
-            start = max(start, b + 1)
+        gaps: list[tuple[int, int]] = []
+        edge = 0
+        ends = (*_python_ranges(letter.lower()), (0xD800, 0xDFFF), (sys.maxunicode + 1, sys.maxunicode + 1))
+        for a, b in sorted(ends):
+            if a > edge:
+                gaps.append((edge, a - 1))
+            edge = max(edge, b + 1)
         return tuple(gaps)
     rx = re.compile("\\" + letter)
-    found, start = [], None
+    found: list[tuple[int, int]] = []
+    start: int | None = None
     for c in range(sys.maxunicode + 2):
         member = c <= sys.maxunicode and not 0xD800 <= c <= 0xDFFF and rx.match(chr(c)) is not None
         if member and start is None:
