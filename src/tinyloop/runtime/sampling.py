@@ -24,8 +24,12 @@ def sample_next(
         return checked_argmax(logits.view(1, -1))[0]
     if bool(torch.isnan(logits).any()) or bool(torch.isposinf(logits).any()):
         raise NonFiniteLogitsError()
-    probs = filtered_probs(logits, temperature, top_k, top_p).view(1, -1)
-    return int(drawn_tokens(probs, uniform_draw(generator).view(1))[0])
+    return draw(filtered_probs(logits, temperature, top_k, top_p), generator)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from the distribution probs [V] (`drawn_tokens`) with one uniform of `generator`."""
+    return int(drawn_tokens(probs.view(1, -1), uniform_draw(generator).view(1))[0])
 
 
 def uniform_draw(generator: torch.Generator | None) -> torch.Tensor:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tinyloop.runtime.sampling import draw
+
 
 def accept_draft(
     p: torch.Tensor, q: torch.Tensor, token: int, generator: torch.Generator | None
@@ -21,7 +23,7 @@ def accept_draft(
     total = float(residual.sum())
     # Rejection implies p[token] < q[token], so some mass remains; guard against rounding anyway.
     dist = residual / total if total > 0 else p
-    return False, int(torch.multinomial(dist, 1, generator=generator))
+    return False, draw(dist, generator)
 
 
 def normalized(probs: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from tinyloop.grammar.index import TokenIndex
 from tinyloop.runtime.decode import Row, decode_row
 from tinyloop.runtime.depth_schedule import DepthSchedule, fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
-from tinyloop.runtime.sampling import TokenPicker, filtered_probs
+from tinyloop.runtime.sampling import TokenPicker, draw, filtered_probs
 from tinyloop.runtime.spec_accept import accept_draft, normalized
 from tinyloop.runtime.spec_costs import LayerCosts, StepCosts
 from tinyloop.runtime.spec_policy import DraftPolicy
@@ -290,7 +290,7 @@ def _speculate(
             break
         logits = picker.constrain(out.logits[0, -1], g_states[-1])
         q = None if greedy else normalized(filtered_probs(logits, p.temperature, p.top_k, p.top_p))
-        x = int(torch.argmax(logits)) if q is None else int(torch.multinomial(q, 1, generator=picker.gen))
+        x = int(torch.argmax(logits)) if q is None else draw(q, picker.gen)
         if x in picker.stop_tokens:  # the verifier decides this position's token itself
             break
         if q is not None:
@@ -334,7 +334,7 @@ def _speculate(
             extra = int(torch.argmax(logits))
         else:
             pv = normalized(filtered_probs(logits, p.temperature, p.top_k, p.top_p))
-            extra = int(torch.multinomial(pv, 1, generator=picker.gen))
+            extra = draw(pv, picker.gen)
     # Positions start..start+n_ok hold verified K/V (pending and the accepted drafts); drop the rest.
     cache.truncate(start + n_ok + 1)
     picker.state = state
