@@ -209,6 +209,23 @@ def test_engine_close_frees_it_without_the_cyclic_collector(close: bool) -> None
         gc.collect()
 
 
+def test_batched_steps_that_tinygemm_takes_make_no_16bit_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From `dense_copy_min_rows` sequences a step multiplies 16-bit copies unless tinygemm takes it (bfloat16 on
+    a GPU with `tinygemm` on: 3-8 sequences), so float16 models and GPUs without tinygemm keep the copies."""
+    _, _, fused, _ = build("interleaved-qkbias-add")
+    decoder = fused.decoder
+    assert isinstance(decoder, FusedDecoder)
+    policy = fused.kernel_policy
+    first, last = policy.dense_copy_min_rows, policy.tinygemm_max_rows
+    assert first <= policy.tinygemm_min_rows < last and not decoder._takes_tinygemm(first, 1)  # float32, CPU
+    assert decoder.dense_copies(first, 1) and decoder.dense_copies(last, 1)
+    decoder.release()
+    monkeypatch.setattr(decoder, "_takes_tinygemm", lambda batch, tokens: tokens == 1 and 3 <= batch <= last)
+    assert decoder.dense_copies(first, 1) == {} and decoder.dense_copies(last, 1) == {}
+    assert decoder.dense_copy_bytes == 0 and decoder._graph_window(last, 1) is None
+    assert decoder.dense_copies(last + 1, 1) and decoder.dense_copies(1, 20)
+
+
 def test_graphs_of_cublas_sized_steps_take_no_l2_window() -> None:
     """Graphs of steps that read the INT4 matrices are captured with the engine's L2 window; graphs of steps
     whose GEMMs go to cuBLAS (batched steps and prefills, reading 16-bit copies) without it, unless cuBLAS is

@@ -95,11 +95,12 @@ class KernelPolicy:
     tinygemm: bool = False
     tinygemm_min_rows: int = 3
     tinygemm_max_rows: int = 8
-    # Steps of at least this many sequences (batched decode), and prefill-sized ones, multiply 16-bit copies of
-    # the model's INT4 matrices through cuBLAS, made on the first such step and kept while the engine lives
-    # (where they fit the decoder's memory budget); 0: never. cuBLAS on the copies is flat in the row count
-    # (seed-407m's four layer products 53.5 µs on an H100 at 1-64 rows).
-    dense_copy_min_rows: int = 9
+    # Steps of at least this many sequences (batched decode) that tinygemm does not take, and prefill-sized ones,
+    # multiply 16-bit copies of the model's INT4 matrices through cuBLAS, made on the first such step and kept
+    # while the engine lives (where they fit the decoder's memory budget); 0: never. cuBLAS on the copies is flat
+    # in the row count (seed-407m's four layer products 53.5 µs on an H100 at 1-64 rows): 3 rows 53.5 against
+    # 58.8 on the Gluon GEMV, 8 rows against 80.9 on the split-K kernel.
+    dense_copy_min_rows: int = 3
     # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
     splitk_programs: int = 264
     # Cached attention (keys per block, warps) for heads of at least 128 and for narrower heads.

@@ -229,9 +229,7 @@ class FusedDecoder:
         """The INT4 matrices repacked for torch's tinygemm kernel (those whose shape it takes), made on first use,
         for batched one-token steps of policy.tinygemm_min_rows to tinygemm_max_rows sequences in bfloat16.
         Like the 16-bit copies, never for a single sequence's steps (see `dense_copies`)."""
-        policy = self.kernels.policy
-        small_batch = tokens == 1 and max(2, policy.tinygemm_min_rows) <= batch <= policy.tinygemm_max_rows
-        if not (policy.tinygemm and small_batch and self.engine.dtype == torch.bfloat16 and self._tinygemm_fits):
+        if not self._takes_tinygemm(batch, tokens):
             return {}
         if not self._tinygemm:
             fitting = [m for m in self._int4_matrices if CudaTinygemmWeight.supports(m)]
@@ -241,13 +239,19 @@ class FusedDecoder:
             self._tinygemm = packs
         return self._tinygemm
 
+    def _takes_tinygemm(self, batch: int, tokens: int) -> bool:
+        policy = self.kernels.policy
+        small_batch = tokens == 1 and max(2, policy.tinygemm_min_rows) <= batch <= policy.tinygemm_max_rows
+        return policy.tinygemm and small_batch and self.engine.dtype == torch.bfloat16 and self._tinygemm_fits
+
     def dense_copies(self, batch: int, tokens: int) -> dict[int, torch.Tensor]:
         """The 16-bit copies a step of `batch` sequences x `tokens` tokens multiplies instead of the INT4
         matrices (by id), made on first use; empty where the policy or the memory budget says the INT4 kernels.
         A single sequence's few-token steps (speculative verification) keep the INT4 kernels: their weights
         are the one-token step's, not rounded to 16 bits, so verification agrees with plain decoding."""
         policy = self.kernels.policy
-        many = batch >= policy.dense_copy_min_rows or policy.int4_rows_on_cublas(batch * tokens)
+        batched = batch >= policy.dense_copy_min_rows and not self._takes_tinygemm(batch, tokens)
+        many = batched or policy.int4_rows_on_cublas(batch * tokens)
         if not (policy.dense_copy_min_rows and many and self._dense_copies_fit and policy.cublas_16bit):
             return {}
         if not self._dense_copies:
@@ -335,7 +339,7 @@ class FusedDecoder:
         to dequantize it, and its GEMMs read the 16-bit copies, which the window does not cover). On the H200
         this alone did not remove the prefill cost of L2 residency (still +3-7 % on a body that
         fits): the persisting share itself takes L2 from the GEMMs (see l2_residency.SHARE_OFF_DURING_PREFILL)."""
-        if self._rows_on_cublas(batch, tokens) or self.tinygemm_weights(batch, tokens):
+        if self._rows_on_cublas(batch, tokens) or self._takes_tinygemm(batch, tokens):
             return None
         return self.engine.l2_window
 
