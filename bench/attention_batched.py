@@ -23,12 +23,12 @@ import argparse
 import dataclasses
 import json
 import math
-import statistics
 import time
 from typing import Any
 
 import torch
 import triton
+from cuda_timing import graph_us
 
 from tinyloop.kernels import cuda_ops
 from tinyloop.kernels.policy import KernelPolicy
@@ -94,29 +94,6 @@ def policy_tile(base: Any, rows: int, n_heads: int, head_dim: int) -> tuple[int,
     if base.split_attention is not None and head_dim >= base.split_attention_min_head_dim:
         return tuple(base.split_attention)  # type: ignore[return-value]
     return (1, *base.attention_block(head_dim))
-
-
-def graph_us(fn: Any, calls: int, repeat: int) -> float:
-    """us per call of `fn` (which cycles its cache copies) with `calls` calls captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def eager_us(fn: Any, calls: int) -> float:

@@ -21,11 +21,11 @@ import argparse
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from cuda_timing import graph_us, timed
 
 from tinyloop.kernels.cuda_ops import dequantize_int4
 from tinyloop.quant import BlockedInt4Weight
@@ -38,32 +38,6 @@ APPLICATIONS = 36  # seed-407m at 8 loops: 2 + 4 x 8 + 2 layer applications per 
 SEED_SHAPES = {  # name: (N, K, act); act 1 (SwiGLU) reads 2N rows
     "qkv": (6144, 2048, 0), "out": (2048, 2048, 0), "gate_up": (5632, 2048, 1), "down": (2048, 5632, 0),
 }  # fmt: skip
-
-
-def timed(fn: Callable[[], Any], repeat: int) -> list[float]:
-    out = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
-    return out
-
-
-def graph_time(fn: Callable[[], Any], calls: int, repeat: int = 20) -> float:
-    """Seconds per call of `fn` when `calls` of them run back to back inside one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    return statistics.median(timed(g.replay, repeat)) / calls
 
 
 def random_int4_copies(n_rows: int, k: int, gen: torch.Generator, group: int = 64) -> list[BlockedInt4Weight]:
@@ -104,7 +78,7 @@ def us_per_call(fn: Callable[[], Any], calls: int) -> dict[str, Any]:
     """Inside one CUDA graph where it captures, else eager with a synchronize per round."""
     fn()
     try:
-        return {"us": graph_time(fn, calls) * 1e6, "timing": "graph"}
+        return {"us": graph_us(fn, calls), "timing": "graph"}
     except Exception as exc:  # a kernel that does not capture: say so and time it eagerly
         torch.cuda.synchronize()
         t = statistics.median(timed(lambda: [fn() for _ in range(calls)], 10)) / calls

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import time
 from collections.abc import Callable
 
 import torch
 import triton
+from cuda_timing import graph_us
 
 from tinyloop.env import RuntimeEnv
 from tinyloop.kernels import cuda_ops
@@ -46,27 +48,10 @@ def fits(tile: tuple[int, ...], rows: int, act: int) -> bool:
     return tile[0] * tile[2] * 4 * (1 << (rows - 1).bit_length()) * (2 if act == 1 else 1) <= 32
 
 
-def graph_us(fn: Callable[[int], object], replays: int = 20) -> float:
+def copies_us(fn: Callable[[int], object]) -> float:
     """Median µs per call of fn(0..COPIES-1) captured in one graph (each call on another weight copy)."""
-    for i in range(COPIES):
-        fn(i)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for i in range(COPIES):
-            fn(i)
-    g.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(5):
-        start.record()
-        for _ in range(replays):
-            g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / (replays * COPIES))
-    return sorted(times)[len(times) // 2]
+    copies = itertools.cycle(range(COPIES))
+    return graph_us(lambda: fn(next(copies)), COPIES)
 
 
 def reference(x: torch.Tensor, dense: torch.Tensor, nw: torch.Tensor | None, act: int,
@@ -146,7 +131,7 @@ def main() -> None:
                 try:
                     if check:
                         row[f"{label}_rel_err"] = err(fn(0))
-                    row[f"{label}_us"] = round(graph_us(fn), 2)
+                    row[f"{label}_us"] = round(copies_us(fn), 2)
                 except Exception as exc:  # noqa: BLE001 - recorded; the other kernels are still measured
                     row[f"{label}_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             mine = policy.gluon_tile(n_out, k, act, m)
@@ -159,7 +144,11 @@ def main() -> None:
                 try:
                     got, compiled = launch_tile(x, ws[0], tile, nw, act, res)
                     e = err(got)
-                    us = graph_us(lambda i, t=tile, x=x, r=res, ws=ws, nw=nw, a=act: launch_tile(x, ws[i], t, nw, a, r))
+
+                    def tile_call(i, t=tile, x=x, r=res, ws=ws, nw=nw, a=act):  # type: ignore[no-untyped-def]
+                        return launch_tile(x, ws[i], t, nw, a, r)
+
+                    us = copies_us(tile_call)
                     row["tiles"][key] = {"us": round(us, 2), "rel_err": e, "regs": getattr(compiled, "n_regs", None),
                                          "spills": getattr(compiled, "n_spills", None)}  # fmt: skip
                 except Exception as exc:  # noqa: BLE001

@@ -34,6 +34,7 @@ from unittest import mock
 
 import numpy as np
 import torch
+from cuda_timing import timed
 from gpu_check import rel, teacher_forced
 
 import tinyloop
@@ -63,17 +64,6 @@ def section(name: str, fn: Callable[[], Any]) -> None:
     RESULTS.setdefault("section_s", {})[name] = time.perf_counter() - t
     print(f"=== {name} done in {time.perf_counter() - t:.1f} s: {json.dumps(RESULTS.get(name), default=float)[:3000]}")
     save()
-
-
-def timed(fn: Callable[[], Any], repeat: int) -> list[float]:
-    out = []
-    for _ in range(repeat):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
-    return out
 
 
 def with_env(env: dict[str, str], fn: Callable[[], Any]) -> Any:

@@ -49,7 +49,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gpu_suite import decode_timing, policy_overrides, timed, with_env
+from cuda_timing import timed
+from gpu_suite import decode_timing, policy_overrides, with_env
 
 RESULTS: dict[str, Any] = {"errors": {}}
 OUT = Path("persistent_mlp.json")
