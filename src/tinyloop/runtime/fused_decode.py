@@ -14,7 +14,7 @@ from __future__ import annotations
 import gc
 import os
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -219,11 +219,10 @@ class FusedDecoder:
         self._tinygemm = {}
         self.tinygemm_bytes = 0
 
-    def step_weights(self, batch: int, tokens: int) -> dict[int, ProductWeight]:
+    def step_weights(self, batch: int, tokens: int) -> Mapping[int, ProductWeight]:
         """What a step of `batch` sequences x `tokens` tokens multiplies in place of the INT4 matrices (by id):
         their tinygemm repacks in small batched steps, their 16-bit copies in many-row ones, none otherwise."""
-        packs: dict[int, ProductWeight] = dict(self.tinygemm_weights(batch, tokens))
-        return packs or dict(self.dense_copies(batch, tokens))
+        return self.tinygemm_weights(batch, tokens) or self.dense_copies(batch, tokens)
 
     def tinygemm_weights(self, batch: int, tokens: int) -> dict[int, CudaTinygemmWeight]:
         """The INT4 matrices repacked for torch's tinygemm kernel (those whose shape it takes), made on first use,
@@ -334,9 +333,10 @@ class FusedDecoder:
             info(f"L2 residency: the persisting share is not restored after a prefill ({exc})")
 
     def _graph_window(self, batch: int, tokens: int) -> l2_residency.L2Window | None:
-        """The L2 window a graph of `rows` rows is captured with: the engine's for steps whose matmuls read the
-        INT4 body themselves (decode-sized), none for those that go to cuBLAS (a prefill reads the INT4 body once,
-        to dequantize it, and its GEMMs read the 16-bit copies, which the window does not cover). On the H200
+        """The L2 window a graph of `batch` x `tokens` rows is captured with: the engine's for steps whose matmuls
+        read the INT4 body themselves (decode-sized), none for those that go to cuBLAS (a prefill reads the INT4
+        body once, to dequantize it, and its GEMMs read the 16-bit copies, which the window does not cover) or to
+        tinygemm (its repacks, which the window does not cover either). On the H200
         this alone did not remove the prefill cost of L2 residency (still +3-7 % on a body that
         fits): the persisting share itself takes L2 from the GEMMs (see l2_residency.SHARE_OFF_DURING_PREFILL)."""
         if self._rows_on_cublas(batch, tokens) or self._takes_tinygemm(batch, tokens):
