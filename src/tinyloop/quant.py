@@ -136,8 +136,8 @@ class CudaTinygemmWeight:
     out_features: int
     in_features: int
 
-    # K tiles per warp of the packed layout: 2, 4 and 8 timed within 2 % of each other on an H100 (seed-407m
-    # shapes, 1-64 rows); 8 was never slower.
+    # K tiles per warp of the packed layout: 2, 4 and 8 timed within 4.5 % of each other on an H100, 8 the fastest
+    # at 25 of seed-407m's 32 products x row counts (1-64) and never 3 % behind (bench/tinygemm_inner_tiles.py).
     INNER_K_TILES = 8
 
     @classmethod
@@ -146,7 +146,7 @@ class CudaTinygemmWeight:
         return n % 8 == 0 and k % (16 * cls.INNER_K_TILES) == 0 and w.group_size in (32, 64, 128, 256)
 
     @classmethod
-    def from_int4(cls, w: Int4Weight) -> CudaTinygemmWeight:
+    def from_int4(cls, w: Int4Weight, inner_k_tiles: int = INNER_K_TILES) -> CudaTinygemmWeight:
         if not cls.supports(w) or w.packed.device.type != "cuda":
             raise ValueError(
                 f"the CUDA tinygemm layout takes a CUDA INT4 matrix with out % 8 == 0, in % "
@@ -155,7 +155,7 @@ class CudaTinygemmWeight:
             )
         codes = w.codes(w.packed)  # [out, in] uint8, column order
         pairs = ((codes[:, ::2] << 4) | codes[:, 1::2]).contiguous()  # even column in the high nibble
-        packed = torch.ops.aten._convert_weight_to_int4pack(pairs, cls.INNER_K_TILES)
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs, inner_k_tiles)
         return cls(packed, tinygemm_scales_zeros(w), w.group_size, *w.shape)
 
     @property
