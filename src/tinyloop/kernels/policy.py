@@ -86,11 +86,12 @@ class KernelPolicy:
     # Batched one-token steps of `tinygemm_min_rows` to `tinygemm_max_rows` sequences in bfloat16 multiply torch's
     # CUDA tinygemm INT4 kernel (quant.CudaTinygemmWeight: the INT4 matrices repacked on the first such step,
     # as many bytes again), where `tinygemm` is on. H100, seed-407m (docs/BENCHMARKS.md): a batch-4 step 1.94 ms
-    # against 2.48 on the 16-bit copies, batch 8 2.65 against 2.73; its four layer products at 16 rows 70 µs
-    # against 54 on the copies. Two rows stay on the Gluon GEMV, as fast end to end (1.66 ms a step: tinygemm's
-    # products are faster, 27 µs a layer against 40, but the norm, SwiGLU and residual then take launches of
-    # their own) and with the one-row step's INT4 arithmetic. tinygemm dequantizes to bfloat16 with bfloat16
-    # scales and zeros: its products are off float32 by 0.3-0.75 %, against 0.2-0.6 % for cuBLAS on the copies.
+    # against 2.48 on the 16-bit copies, batch 8 2.65 against 2.73; its four layer products at 16 rows 77.2 µs
+    # against 55.2 on the copies. Two rows stay on the Gluon GEMV, as fast end to end (1.66 ms a step): its four
+    # products take 38.3 µs a layer against tinygemm's 33.1 with the norm, SwiGLU and residual as launches of
+    # their own, which the GEMV fuses, and it keeps the one-row step's INT4 arithmetic. tinygemm dequantizes to
+    # bfloat16 with bfloat16 scales and zeros: its products are off float32 by 0.3-0.75 %, against 0.2-0.6 % for
+    # cuBLAS on the copies.
     # A single sequence's verification passes keep the INT4 kernels (see FusedDecoder.dense_copies).
     tinygemm: bool = False
     tinygemm_min_rows: int = 3
