@@ -56,6 +56,34 @@ def test_requests_joining_at_different_steps_equal_each_alone(models, mode: str)
     stats = s.stats()
     assert stats["running"] == stats["waiting"] == 0 and stats["finished"] == len(REQUESTS)
     assert stats["generated_tokens"] == sum(h.stats.generated_tokens for h in handles)
+    assert stats["prefill_rows"] > stats["prefill_steps"]  # prompts were prefilled together
+
+
+@pytest.mark.parametrize("mode", ["16bit", "window", "none"])
+def test_prompts_prefilled_together_equal_each_alone(models, mode: str) -> None:
+    m = models[mode]
+    prompts = [list(range(33, 33 + n)) for n in (9, 14, 3, 21, 6)]
+    kws = [dict(max_tokens=4, loops=(2, 4, 3, 4, 1)[i], temperature=0.0) for i in range(len(prompts))]
+    # Step 1: 9 + 11 of 14 tokens (cut, moves to staging row 0); step 2: its last 3, then 3 and 14 of 21.
+    s = tinyloop.Scheduler(m, max_batch=5, max_loops=4, prefill_chunk_tokens=20, prefill_rows=3)
+    handles = [s.submit(p, **kw) for p, kw in zip(prompts, kws, strict=True)]
+    s.stop(drain=True)
+    for h, p, kw in zip(handles, prompts, kws, strict=True):
+        assert h.result().tolist() == _alone(m, p, kw), (len(p), kw)
+    stats = s.stats()
+    assert stats["prefill_rows"] > stats["prefill_steps"] >= 3
+
+
+def test_prompts_prefilled_together_stay_within_the_cache_when_padded(models) -> None:
+    m = models["16bit"]
+    prompts, kw = [list(range(40, 60)), list(range(50, 62))], dict(max_tokens=4, temperature=0.0)
+    # Step 2 resumes the first prompt at position 16: the second's chunk is cut to 8 so that the rows,
+    # padded to one width, still end inside the 24 positions.
+    s = tinyloop.Scheduler(m, max_batch=2, max_seq_len=24, prefill_chunk_tokens=16, prefix_pool=False)
+    handles = [s.submit(p, **kw) for p in prompts]
+    s.stop(drain=True)
+    assert [h.result().tolist() for h in handles] == [_alone(m, p, kw) for p in prompts]
+    assert s.stats()["prefill_steps"] == 3
 
 
 def test_requests_from_a_thread_with_sleeps_stream_what_generate_gives(models) -> None:

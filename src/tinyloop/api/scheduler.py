@@ -26,6 +26,7 @@ from tinyloop.sampling import SamplingParams
 DEFAULT_POOL_BYTES = 64 << 20
 DEFAULT_QUEUE = 1024
 DEFAULT_PREFILL_CHUNK = 256
+DEFAULT_PREFILL_ROWS = 8
 
 
 def _positive(name: str, value: Any) -> int:
@@ -40,8 +41,10 @@ class Scheduler(SlotScheduler):
     `submit(prompt, **generate's keyword arguments)` returns a RequestHandle at once (thread-safe; a full
     queue raises QueueFullError); the engine thread admits waiting requests into free slots, prefilling at
     most `prefill_chunk_tokens` prompt tokens per step between batched decode steps, so running requests
-    keep streaming. Each request's tokens are those `Model.generate` gives with the same arguments (greedy
-    exactly; seeded sampling exactly on the CPU).
+    keep streaming. The prompts of up to `prefill_rows` requests (at most max_batch) admitted together are
+    prefilled in one batched step, through a staging cache of that many rows of max_seq_len tokens (its
+    memory comes on top of the slots'). Each request's tokens are those `Model.generate` gives with the
+    same arguments (greedy exactly; seeded sampling exactly on the CPU).
 
     max_seq_len: prompt + max_tokens of one request (default: the model's max_seq_len). max_loops: the
     deepest request allowed (default: the model's default loops); the slots hold that many iterations.
@@ -61,6 +64,7 @@ class Scheduler(SlotScheduler):
         *,
         max_loops: int | None = None,
         prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK,
+        prefill_rows: int = DEFAULT_PREFILL_ROWS,
         prefix_pool: PrefixPool | bool = True,
     ) -> None:
         if not isinstance(model, Model):
@@ -76,6 +80,7 @@ class Scheduler(SlotScheduler):
             max_loops=model._loops(max_loops),
             max_queue=_positive("max_queue", max_queue),
             prefill_chunk_tokens=_positive("prefill_chunk_tokens", prefill_chunk_tokens),
+            prefill_rows=min(_positive("prefill_rows", prefill_rows), max_batch),
         )
         self.model = model
         engine = model._engine

@@ -34,8 +34,9 @@ class StepCache(Protocol):
 class ModeCache(StepCache, Protocol):
     """A working cache of one KV mode, able to export and import a prefix of row 0.
 
-    snapshot(length, loops): independent copies of what positions [0, length) of the slots used at
-    `loops` hold in row 0 (only those positions: a snapshot's size grows with its length, not with max_seq).
+    snapshot(length, loops, row): independent copies of what positions [0, length) of the slots used at
+    `loops` hold in `row` (default 0; only those positions: a snapshot's size grows with its length, not
+    with max_seq).
     restore(tensors, length, loops, use, row): load such a snapshot into `row` (default 0) and keep its
     first `use` tokens; `can_use(length, use)` says whether that truncation is exact in this mode.
     clear_row(row): zero a row's buffers and length (after a failed request: nothing it wrote is read again).
@@ -48,7 +49,7 @@ class ModeCache(StepCache, Protocol):
     @property
     def nbytes(self) -> int: ...
 
-    def snapshot(self, length: int, loops: int) -> dict[str, torch.Tensor]: ...
+    def snapshot(self, length: int, loops: int, row: int = 0) -> dict[str, torch.Tensor]: ...
 
     def restore(self, tensors: dict[str, torch.Tensor], length: int, loops: int, use: int, row: int = 0) -> None: ...
 
@@ -129,13 +130,13 @@ class PositionalSnapshots(RowViews):
     def _row_buffers(self) -> list[str]:
         return list(self._positional())
 
-    def snapshot(self, length: int, loops: int) -> dict[str, torch.Tensor]:
-        if not 0 < length <= int(self.lengths[0]) or loops > self.loops:
-            raise ValueError(f"cannot snapshot {length} tokens at {loops} loops from a cache holding "
-                             f"{int(self.lengths[0])} tokens at {self.loops} loops")  # fmt: skip
+    def snapshot(self, length: int, loops: int, row: int = 0) -> dict[str, torch.Tensor]:
+        if not 0 < length <= int(self.lengths[row]) or loops > self.loops:
+            raise ValueError(f"cannot snapshot {length} tokens at {loops} loops from a cache row holding "
+                             f"{int(self.lengths[row])} tokens at {self.loops} loops")  # fmt: skip
         n = self.cfg.n_cache_slots(loops)
         return {
-            name: copy_out(buf[:n, 0].narrow(axis - 1, 0, length), "prefix snapshot")
+            name: copy_out(buf[:n, row].narrow(axis - 1, 0, length), "prefix snapshot")
             for name, (buf, axis) in self._positional().items()
         }
 

@@ -104,14 +104,14 @@ class WindowKVCache(RowViews):
         self.ring_pos = self.ring_pos.masked_fill(self.ring_pos >= new.to(self.ring_pos.device)[:, None], -1)
         self.lengths = new
 
-    def snapshot(self, length: int, loops: int) -> dict[str, torch.Tensor]:
-        if length != int(self.lengths[0]) or loops > self.loops:
-            raise ValueError(f"a sliding-window cache snapshots its whole row ({int(self.lengths[0])} tokens)")
+    def snapshot(self, length: int, loops: int, row: int = 0) -> dict[str, torch.Tensor]:
+        if length != int(self.lengths[row]) or loops > self.loops:
+            raise ValueError(f"a sliding-window cache snapshots its whole row ({int(self.lengths[row])} tokens)")
         n = self.cfg.n_cache_slots(loops)
         return {
-            "k": copy_out(self.k[:n, 0], "prefix snapshot"),
-            "v": copy_out(self.v[:n, 0], "prefix snapshot"),
-            "ring_pos": copy_out(self.ring_pos[0], "prefix snapshot"),
+            "k": copy_out(self.k[:n, row], "prefix snapshot"),
+            "v": copy_out(self.v[:n, row], "prefix snapshot"),
+            "ring_pos": copy_out(self.ring_pos[row], "prefix snapshot"),
         }
 
     def restore(self, tensors: dict[str, torch.Tensor], length: int, loops: int, use: int, row: int = 0) -> None:

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from tinyloop.runtime.decode import Row
 from tinyloop.runtime.stats import TokenLogprob
@@ -107,15 +106,16 @@ class RequestHandle:
 @dataclass(eq=False)
 class Request:
     """What the scheduler keeps for a request: its decode row, its stop-string filter, its handle, and
-    where it is (slot: its cache row once admitted; prefilled: prompt tokens the staging cache holds)."""
+    where it is (slot: its cache row once admitted; stage_row: its row of the staging cache while its prompt
+    is prefilled; prefilled: prompt tokens that row holds)."""
 
     row: Row
     handle: RequestHandle
     stop_filter: StopStringFilter | None = None
     slot: int = -1
     prefilled: int = 0
+    stage_row: int = -1
     aborted: bool = False
-    first_logits: torch.Tensor | None = None  # an exact prefix-pool hit's stored logits: no prefill at all
 
     def emit(self, token: int) -> None:
         """Hand a new token to the caller, through the stop-string filter (which may end the row)."""

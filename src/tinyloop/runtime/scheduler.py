@@ -2,10 +2,12 @@
 
 Each step (on one engine thread, or driven by the caller through `step()`):
 1. drop aborted requests (their slots are free before the step runs);
-2. admit waiting requests into free slots: prefill their prompts in a one-row staging cache, a chunk at a
-   time under a per-step token budget (so running rows keep streaming while a long prompt is read), after
-   starting from the longest prefix the prefix pool holds; a finished prefill is copied into the slot, its
-   first token sampled, and the prompt offered to the pool;
+2. admit waiting requests into free slots and prefill their prompts together, one row each of a staging
+   cache, in one batched step under a per-step token budget (so running rows keep streaming while long
+   prompts are read; a prompt the budget cuts goes on next step), each starting from the longest prefix the
+   prefix pool holds; a finished prefill is copied into its slot, its first token sampled, and the prompt
+   offered to the pool. Batching the prompts matters because a prefill step costs about the same launches
+   whether it reads one prompt or eight;
 3. one batched decode step (`runtime.decode.decode_step`, the decode loop's own step) over every slot:
    rows sit at their own positions and depths; empty slots ride along;
 4. free the rows that finished.
@@ -62,6 +64,7 @@ class SchedulerLimits:
     max_loops: int
     max_queue: int
     prefill_chunk_tokens: int
+    prefill_rows: int
 
 
 class SlotScheduler:
@@ -78,9 +81,9 @@ class SlotScheduler:
         self.limits = limits
         self.prefix = prefix
         self.slots = new_cache(limits.max_batch)  # None: kv_mode 'none' (every step recomputes the rows)
-        self.staging = new_cache(1) if self.slots is not None else None
+        self.staging = new_cache(limits.prefill_rows) if self.slots is not None else None
         self._rows: list[Request | None] = [None] * limits.max_batch
-        self._prefilling: Request | None = None
+        self._prefilling: list[Request] = []  # admitted, prompt not yet in the slot (at most one after a step)
         self._waiting: deque[Request] = deque()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -89,7 +92,8 @@ class SlotScheduler:
         self._closed = False
         self._counts = dict.fromkeys(
             ("prompt_tokens", "generated_tokens", "prefix_hit_requests", "prefix_hit_tokens", "finished",
-             "aborted", "failed", "decode_steps", "decode_rows", "decode_iterations"), 0,
+             "aborted", "failed", "prefill_steps", "prefill_rows", "decode_steps", "decode_rows",
+             "decode_iterations"), 0,
         )  # fmt: skip
 
     # ---- caller side (any thread) -------------------------------------------------------------
@@ -115,7 +119,7 @@ class SlotScheduler:
                     self._waiting.remove(req)
                     self._count_abort(req)
                     return
-            for held in (*self._rows, self._prefilling):
+            for held in self._rows:
                 if held is not None and held.handle is handle and not held.aborted:
                     held.aborted = True
                     self._count_abort(held)
@@ -128,11 +132,12 @@ class SlotScheduler:
 
     def stats(self) -> dict[str, int]:
         """running (requests in slots or prefilling), waiting, and totals since creation: prompt and
-        generated tokens, prefix-pool hits (requests / tokens), finished, aborted, failed, decode steps
-        and the rows they decoded (their ratio is the mean batch size), and the loop iterations those steps
-        ran (each runs until its deepest row is done: rows that exit early ride along)."""
+        generated tokens, prefix-pool hits (requests / tokens), finished, aborted, failed, prefill steps and
+        the prompt chunks they ran together, decode steps and the rows they decoded (their ratio is the mean
+        batch size), and the loop iterations those steps ran (each runs until its deepest row is done: rows
+        that exit early ride along)."""
         with self._cond:
-            running = sum(r is not None for r in self._rows) + (self._prefilling is not None)
+            running = sum(r is not None for r in self._rows)
             return {"running": running, "waiting": len(self._waiting), **self._counts}
 
     def start(self) -> None:
@@ -175,7 +180,7 @@ class SlotScheduler:
     def _abort_all(self) -> None:
         while self._waiting:
             self._count_abort(self._waiting.popleft())
-        for req in (*self._rows, self._prefilling):
+        for req in self._rows:
             if req is not None and not req.aborted:
                 req.aborted = True
                 self._count_abort(req)
@@ -190,7 +195,7 @@ class SlotScheduler:
     # ---- engine side (one thread) -------------------------------------------------------------
     def _has_work(self) -> bool:
         with self._cond:
-            return bool(self._waiting) or self._prefilling is not None or any(r is not None for r in self._rows)
+            return bool(self._waiting) or any(r is not None for r in self._rows)
 
     def _run(self) -> None:
         while True:
@@ -207,7 +212,7 @@ class SlotScheduler:
     def _fail_all(self, exc: Exception) -> None:
         with self._cond:
             waiting, self._waiting = list(self._waiting), deque()
-            self._prefilling = None
+            self._prefilling = []
         for req in waiting:
             if req.handle._finish("error", exc):
                 with self._cond:
@@ -225,26 +230,53 @@ class SlotScheduler:
         if threading.current_thread() is not self._thread and self._thread is not None:
             raise RuntimeError("the scheduler runs on its engine thread; step() is for schedulers not started")
         self._drop_aborted()
-        budget = self.limits.prefill_chunk_tokens
-        while budget > 0:
-            req = self._prefilling or self._admit()
-            if req is None:
-                break
-            budget -= self._prefill(req, budget)
+        self._prefill(self._plan_prefill())
         if any(row is not None and not row.done for row in self._decoding()):
             self._decode()
         self._free_finished()
 
     def _drop_aborted(self) -> None:
         with self._cond:
-            if self._prefilling is not None and self._prefilling.aborted:
-                self._prefilling = None
+            self._prefilling = [req for req in self._prefilling if not req.aborted]
             for b, req in enumerate(self._rows):
                 if req is not None and req.aborted:
                     self._release(b)
 
-    def _admit(self) -> Request | None:
-        """The next waiting request, if a slot is free: it starts prefilling (returned)."""
+    def _plan_prefill(self) -> list[tuple[Request, int]]:
+        """This step's prompt chunks, (request, tokens), within the per-step token budget: first the request
+        whose prefill goes on from the last step (on staging row 0), then newly admitted ones (next rows).
+        Only the last can stay unfinished, so at most one carries over."""
+        budget, rows = self.limits.prefill_chunk_tokens, self.limits.prefill_rows
+        # Rows are right-padded to the widest chunk, and every row's padded width must fit in the cache.
+        seq = self.limits.max_seq_len
+        room, widest = seq, 0
+        plan: list[tuple[Request, int]] = []
+        for going_on in self._prefilling:
+            chunk = min(budget, int(going_on.row.prompt.numel()) - going_on.prefilled)
+            plan.append((going_on, chunk))
+            budget -= chunk
+            room, widest = seq - going_on.prefilled, chunk
+        while budget > 0 and len(plan) < rows:
+            req = self._admit(stage_row=len(plan))
+            if req is None:
+                break
+            if req.prefilled + widest > seq:  # its pool prefix leaves no room for this step's width
+                self._admit_later(req)
+                break
+            self._count_prefix_hit(req)
+            left = int(req.row.prompt.numel()) - req.prefilled
+            chunk = left if self.staging is None else min(budget, left, room)  # no cache: the whole prompt
+            plan.append((req, chunk))
+            budget -= chunk
+            room, widest = min(room, seq - req.prefilled), max(widest, chunk)
+            if chunk < left:
+                break
+        return plan
+
+    def _admit(self, stage_row: int) -> Request | None:
+        """The next waiting request that needs a prefill, if a slot is free: it is given the slot and
+        staging row `stage_row` (returned). Requests that need none (done at once, exact prefix-pool hits)
+        are placed on the way."""
         while True:
             with self._cond:
                 if not self._waiting or None not in self._rows:
@@ -252,78 +284,164 @@ class SlotScheduler:
                 req = self._waiting.popleft()
                 req.slot = self._rows.index(None)
                 self._rows[req.slot] = req  # reserved: the slot's row is written when the prefill ends
-                self._prefilling = req
+                self._prefilling.append(req)
             begin(req.row)
-            if not req.row.done:
-                self._start_from_pool(req)
+            if req.row.done:  # max_tokens 0, a grammar that accepts nothing: freed at the end of the step
+                self._prefilling.remove(req)
+                continue
+            req.stage_row = stage_row
+            try:
+                exact = self._start_from_pool(req)
+            except Exception as exc:  # this request fails; the others go on
+                self._prefilling.remove(req)
+                self._fail(req, exc)
+                continue
+            if exact is None:
                 return req
-            self._prefilling = None  # done at once (max_tokens 0, a grammar that accepts nothing): freed below
+            self._prefilling.remove(req)
+            self._first_tokens([(req, exact)])
 
-    def _start_from_pool(self, req: Request) -> None:
+    def _admit_later(self, req: Request) -> None:
+        """Undo `_admit`: the request waits at the head of the queue again."""
+        with self._cond:
+            self._prefilling.remove(req)
+            self._rows[req.slot] = None
+            req.slot, req.stage_row, req.prefilled = -1, -1, 0
+            self._waiting.appendleft(req)
+
+    def _count_prefix_hit(self, req: Request) -> None:
+        reused = req.handle.stats.prefix_hit_tokens
+        if reused:
+            with self._cond:
+                self._counts["prefix_hit_requests"] += 1
+                self._counts["prefix_hit_tokens"] += reused
+
+    def _start_from_pool(self, req: Request) -> torch.Tensor | None:
+        """Start the request's staging row from the longest prefix the pool holds. An exact hit is copied
+        straight into the slot and its stored logits returned: no prefill at all."""
         hooks, staging = self.prefix, self.staging
+        req.handle.stats.prefix_hit_tokens = 0
         if staging is not None:
-            staging.truncate(0)
+            lengths = staging.lengths.clone()
+            lengths[req.stage_row] = 0
+            staging.truncate(lengths)
         if hooks is None or staging is None:
-            return
+            return None
         row = req.row
         ids = row.prompt.numpy()
         match = hooks.pool.lookup(ids, row.loops, hooks.model_key, hooks.usable)
         if match is None:
-            return
+            return None
         entry: PoolEntry = match.item
         kv = entry.kv()
         assert kv is not None
-        staging.restore(kv, len(entry.tokens), row.loops, match.reuse)
-        req.prefilled = match.reuse
         req.handle.stats.prefix_hit_tokens = match.reuse
-        with self._cond:
-            self._counts["prefix_hit_requests"] += 1
-            self._counts["prefix_hit_tokens"] += match.reuse
         if match.exact:
-            req.first_logits = entry.last_logits()
+            self._count_prefix_hit(req)
+            self._place(req, kv, len(entry.tokens))
+            return entry.last_logits()
+        staging.restore(kv, len(entry.tokens), row.loops, match.reuse, row=req.stage_row)
+        req.prefilled = match.reuse
+        return None
 
-    def _prefill(self, req: Request, budget: int) -> int:
-        """Prefill up to `budget` more prompt tokens of `req`; returns the tokens computed."""
-        row, n = req.row, int(req.row.prompt.numel())
-        chunk = 0
-        try:
-            logits = req.first_logits
-            if logits is None:
-                if self.staging is None:  # no cache: the whole prompt at once
-                    chunk = n
-                    out = self.engine.step(row.prompt.view(1, -1), None, row.loops, last_only=True)
-                else:
-                    chunk = min(budget, n - req.prefilled)
-                    piece = row.prompt[req.prefilled : req.prefilled + chunk].view(1, -1)
-                    out = self.engine.step(piece, self.staging, row.loops, last_only=True)
-                req.prefilled += chunk
-                if req.prefilled < n:
-                    return chunk
-                assert out.logits is not None
-                logits = out.logits[0, -1]
-            self._prefilling = None
-            self._place(req, logits)
-            token = pick_token(row, logits)
-        except Exception as exc:  # this request fails; the others go on
-            self._prefilling = None
-            self._fail(req, exc)
-            return max(chunk, 1)
-        with self._cond:
-            self._counts["prompt_tokens"] += n
-        if token is not None:
-            self._emit(req, token)
-        return max(chunk, 1)
-
-    def _place(self, req: Request, logits: torch.Tensor) -> None:
-        """Copy the finished prefill into the request's slot and offer the prompt to the pool."""
-        staging, slots, hooks = self.staging, self.slots, self.prefix
-        if staging is None or slots is None:
+    def _prefill(self, plan: list[tuple[Request, int]]) -> None:
+        """Run the plan's chunks as one batched step (right-padded rows over the staging cache); requests
+        whose prompt is then complete move to their slots and sample their first token."""
+        if not plan:
             return
-        row, n = req.row, int(req.row.prompt.numel())
-        kv = staging.snapshot(n, row.loops)
-        slots.restore(kv, n, row.loops, n, row=req.slot)
+        try:
+            logits = self._prefill_step(plan)
+        except Exception as exc:  # a failed step fails every request in it
+            for req, _ in plan:
+                self._fail(req, exc)
+            self._prefilling = []
+            return
+        finished: list[tuple[Request, torch.Tensor]] = []
+        for i, (req, chunk) in enumerate(plan):
+            req.prefilled += chunk
+            n = int(req.row.prompt.numel())
+            if req.prefilled < n:
+                continue
+            self._prefilling.remove(req)
+            if self.staging is not None:
+                try:
+                    kv = self.staging.snapshot(n, req.row.loops, row=req.stage_row)
+                    self._place(req, kv, n)
+                except Exception as exc:
+                    self._fail(req, exc)
+                    continue
+                self._offer_to_pool(req, kv, logits[i])
+            finished.append((req, logits[i]))
+        self._first_tokens(finished)
+        self._carry_to_first_stage_row()
+
+    def _prefill_step(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
+        """The plan's forward: the logits [len(plan), V] after each row's chunk."""
+        chunks = [req.row.prompt[req.prefilled : req.prefilled + chunk] for req, chunk in plan]
+        valid = torch.tensor([len(c) for c in chunks], dtype=torch.long)
+        tokens = torch.zeros(len(plan), int(valid.max()), dtype=torch.long)
+        for b, c in enumerate(chunks):
+            tokens[b, : len(c)] = c
+        loops = [req.row.loops for req, _ in plan]
+        depth = torch.tensor(loops, dtype=torch.long)
+        staging = self.staging
+        if staging is None:
+            out = self.engine.step(tokens, None, max(loops), valid=valid, last_only=True, depth=depth)
+        elif len(plan) == self.limits.prefill_rows:
+            out = self.engine.step(tokens, staging, max(loops), valid=valid, last_only=True, depth=depth)
+        else:
+            view = staging.leading(len(plan))
+            out = self.engine.step(tokens, view, max(loops), valid=valid, last_only=True, depth=depth)
+            staging.absorb(view)
+        with self._cond:
+            self._counts["prefill_steps"] += 1
+            self._counts["prefill_rows"] += len(plan)
+        assert out.logits is not None
+        return out.logits[:, -1]
+
+    def _carry_to_first_stage_row(self) -> None:
+        """The request still prefilling (at most one) goes on from staging row 0 next step."""
+        staging = self.staging
+        if not self._prefilling or staging is None:
+            return
+        (req,) = self._prefilling
+        if req.stage_row != 0:
+            kv = staging.snapshot(req.prefilled, req.row.loops, row=req.stage_row)
+            staging.restore(kv, req.prefilled, req.row.loops, req.prefilled, row=0)
+            req.stage_row = 0
+
+    def _first_tokens(self, finished: list[tuple[Request, torch.Tensor]]) -> None:
+        """Sample the first token of requests whose prompt is in their slot now, from its logits [V]."""
+        if not finished:
+            return
+        rows = [req.row for req, _ in finished]
+        logits = torch.stack([lg for _, lg in finished])
+        try:
+            prepared = prepared_picks(rows, logits)
+        except Exception:  # a row's own pick reports its error below
+            prepared = {}
+        for i, (req, _) in enumerate(finished):
+            with self._cond:
+                self._counts["prompt_tokens"] += int(req.row.prompt.numel())
+            try:
+                token = pick_token(req.row, logits[i], prepared.get(i))
+            except Exception as exc:  # this request fails; the others go on
+                self._fail(req, exc)
+                continue
+            if token is not None:
+                self._emit(req, token)
+
+    def _place(self, req: Request, kv: dict[str, torch.Tensor], length: int) -> None:
+        """Copy a snapshot of the request's whole prompt (`length` tokens) into its slot."""
+        if self.slots is not None:
+            self.slots.restore(kv, length, req.row.loops, length, row=req.slot)
+        req.prefilled = length
+
+    def _offer_to_pool(self, req: Request, kv: dict[str, torch.Tensor], logits: torch.Tensor) -> None:
+        hooks = self.prefix
         if hooks is None:
             return
+        row = req.row
         ids = row.prompt.numpy().astype(np.int32)
         if content_key(hooks.model_key, row.loops, ids) in hooks.pool:
             return
@@ -333,7 +451,7 @@ class SlotScheduler:
 
     def _decoding(self) -> list[Row | None]:
         """Each slot's row while it decodes (None: empty, reserved for a prefill, or aborted)."""
-        return [None if r is None or r.aborted or r is self._prefilling else r.row for r in self._rows]
+        return [None if r is None or r.aborted or r in self._prefilling else r.row for r in self._rows]
 
     def _decode(self) -> None:
         rows = self._decoding()
@@ -390,7 +508,7 @@ class SlotScheduler:
     def _free_finished(self) -> None:
         with self._cond:
             for b, req in enumerate(self._rows):
-                if req is None or req is self._prefilling:
+                if req is None or req in self._prefilling:
                     continue
                 if req.row.done and not req.aborted:
                     req.complete()
