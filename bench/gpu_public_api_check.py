@@ -5,6 +5,7 @@ Sections (all on one CUDA device):
   CPU, and `generate_batch` rows against the same prompt alone, for the built-in `tiny` and a seed model;
 - batched against alone per dtype: the seed model's `generate_batch` at B = 2 and 4 against each prompt alone,
   in float32 and bfloat16 (leading tokens that agree);
+- the Scheduler: greedy requests joining at different steps against each alone, float32;
 - timing: B=1 decode of 128 tokens after a 128-token prompt, as `generate`(129 tokens) − `generate`(1 token),
   median of 7; `generate_batch` aggregate tokens/s at B = 1-64 (65 new tokens, the prefill included).
 
@@ -85,6 +86,24 @@ def batched_vs_alone_per_dtype(path: str, prompts: list[np.ndarray], new_tokens:
     return result
 
 
+def scheduler_vs_alone(path: str, prompts: list[np.ndarray], new_tokens: int = 24) -> list[str]:
+    """Agreeing leading tokens of each request run through a `Scheduler` (submitted two at a time between
+    steps; prompt chunks of 24 tokens, several prompts per prefill step) against the prompt alone, float32."""
+    model = tinyloop.Model(path, max_seq_len=512, device="cuda", dtype=torch.float32)
+    alone = [model.generate(p, new_tokens, loops=LOOPS, temperature=0.0) for p in prompts]
+    scheduler = tinyloop.Scheduler(model, max_batch=4, max_loops=LOOPS, prefill_chunk_tokens=24, prefill_rows=3)
+    handles = []
+    for i, p in enumerate(prompts):
+        handles.append(scheduler.submit(p, new_tokens, loops=LOOPS, temperature=0.0))
+        if i % 2:
+            scheduler.step()
+    scheduler.stop(drain=True)
+    agree = [f"{agreeing_prefix(a, h.result())}/{len(a)}" for a, h in zip(alone, handles, strict=True)]
+    model.close()
+    torch.cuda.empty_cache()
+    return agree
+
+
 def timing(path: str, prompt_len: int = 128, new_tokens: int = 128, repeat: int = 7) -> dict:
     model = tinyloop.Model(path, max_seq_len=1024, device="cuda")
     rng = np.random.default_rng(1)
@@ -131,6 +150,7 @@ def main() -> None:
     parser.add_argument("--seed-model", required=True, help="a seed-407m .tinyloop file")
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--timing-only", action="store_true")
+    parser.add_argument("--no-timing", action="store_true", help="the correctness sections alone")
     args = parser.parse_args()
     result: dict = {"label": args.label, "torch": torch.__version__, "gpu": torch.cuda.get_device_name(0)}
     try:
@@ -149,8 +169,13 @@ def main() -> None:
         if hasattr(tinyloop.Model, "generate_batch"):
             seed_prompts = [seed_ids[:16], seed_ids[40:60], seed_ids[80:85], seed_ids[100:140]]
             result["seed407m_batch_vs_alone_by_dtype"] = batched_vs_alone_per_dtype(args.seed_model, seed_prompts)
-    result["seed407m_timing"] = timing(args.seed_model)
-    result["tiny_timing"] = timing("tiny")
+        if hasattr(tinyloop, "Scheduler"):
+            seed_prompts.append(seed_ids[20:50])
+            result["seed407m_scheduler_vs_alone"] = scheduler_vs_alone(args.seed_model, seed_prompts)
+            result["tiny_scheduler_vs_alone"] = scheduler_vs_alone("tiny", prompts + [ids[:70], ids[200:230]])
+    if not args.no_timing:
+        result["seed407m_timing"] = timing(args.seed_model)
+        result["tiny_timing"] = timing("tiny")
     print(json.dumps(result, indent=1))
     Path(args.out).write_text(json.dumps(result, indent=1))
 

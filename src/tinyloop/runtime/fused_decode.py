@@ -35,7 +35,7 @@ from tinyloop.runtime.decode_path import DecoderHost
 from tinyloop.stochastic.weight import StochasticInt4Weight
 
 # Steps of up to this many tokens per row attend through the cached-attention kernel; longer steps
-# (prefill) use SDPA's tiled flash path and are only taken from an empty cache.
+# (prefill) use SDPA: its causal flash path from an empty cache, a position mask after earlier tokens.
 FUSED_ATTENTION_MAX_TOKENS = 16
 # One-token steps rope, write the cache and attend in one launch (cuda_ops.rope_attention).
 ROPE_ATTENTION_ONE_KERNEL = True
@@ -165,21 +165,28 @@ class FusedDecoder:
                 return None
             cache = self._scratch_cache(tokens.shape[0], tokens.shape[1], loops)
         B, T = tokens.shape
-        if not self.supported or (valid is not None and bool((valid.to("cpu") != T).any())):
+        if not self.supported:
             return None
+        # Right-padded rows (a batch of prompts): the padding writes K/V past each row's end, which nothing
+        # reads, and the head takes each row's last real token. Such steps run eagerly.
+        ragged = valid is not None and bool((valid.to("cpu") != T).any())
+        last_index = None
+        if ragged and last_only:
+            assert valid is not None
+            last_index = (valid.to(self.engine.device, torch.long) - 1).clamp_(min=0)
         begin = start.to("cpu", torch.long)
-        if T > FUSED_ATTENTION_MAX_TOKENS and bool((begin != 0).any()):
-            return None
+        span = int((begin + T).max()) if bool((begin != 0).any()) else None
         positions = (begin[:, None] + torch.arange(T)[None, :]).reshape(-1)
         dev = self.engine.device
         if l2_residency.SHARE_OFF_DURING_PREFILL and self._rows_on_cublas(B, T):
             self._drop_share()
         if resume is not None:
             resume = (resume[0].to(dev, self.engine.dtype), resume[1].to(dev, self.engine.dtype))
-        if not self.graphs_enabled or T > FUSED_ATTENTION_MAX_TOKENS:
+        if not self.graphs_enabled or T > FUSED_ATTENTION_MAX_TOKENS or ragged:
             # Prefill-sized steps run eagerly: their launches are few against their work, and a continuous
             # batcher's prompt chunks come in ever new lengths, whose captures would evict the decode graphs.
-            return self._forward(tokens.to(dev), positions.to(dev), cache, loops, last_only, resume, start_loop)
+            return self._forward(tokens.to(dev), positions.to(dev), cache, loops, last_only, resume, start_loop,
+                                 last_index=last_index, span=span)  # fmt: skip
         key = (B, T, loops, int(last_only), start_loop, int(resume is not None), cache.k.data_ptr(), *cache.k.shape)
         entry = self._graphs.get(key)
         if entry is None:
@@ -360,9 +367,14 @@ class FusedDecoder:
         last_only: bool,
         resume: tuple[torch.Tensor, torch.Tensor] | None = None,
         start_loop: int = 0,
+        *,
+        last_index: torch.Tensor | None = None,
+        span: int | None = None,
     ) -> ForwardOutput:
-        """The model's forward over `_FusedOps` (under graph capture: recorded once, replayed as kernels)."""
-        ops = _FusedOps(self, cache, positions, tokens.shape[0], tokens.shape[1], last_only)
+        """The model's forward over `_FusedOps` (under graph capture: recorded once, replayed as kernels).
+        last_index ([B]): the token of each row the head reads (last_only; default the last); span: the
+        cache positions a prefill-sized step attends over when some row starts after position 0."""
+        ops = _FusedOps(self, cache, positions, tokens.shape[0], tokens.shape[1], last_only, last_index, span)
         return run(ops, self.engine.weights, self.cfg, tokens, loops, resume=resume, start_loop=start_loop)
 
     def _gate_logit(self, s: torch.Tensor) -> torch.Tensor:
@@ -381,11 +393,15 @@ class _FusedOps:
     launch for one-token steps, residuals added in the products' epilogues)."""
 
     def __init__(self, dec: FusedDecoder, cache: KVCache, positions: torch.Tensor, B: int, T: int,
-                 last_only: bool) -> None:  # fmt: skip
+                 last_only: bool, last_index: torch.Tensor | None = None, span: int | None = None) -> None:  # fmt: skip
         self.dec, self.k, self.cache, self.positions = dec, dec.kernels, cache, positions
         self.cfg, self.eng = dec.cfg, dec.engine
-        self.B, self.T, self.last_only = B, T, last_only
+        self.B, self.T, self.last_only, self.last_index = B, T, last_only, last_index
         self.substitutes = dec.step_weights(B, T)
+        self.mask: torch.Tensor | None = None
+        if span is not None and T > FUSED_ATTENTION_MAX_TOKENS:  # each query sees the cache up to its position
+            keys = torch.arange(span, device=positions.device)
+            self.mask = (keys[None, None, :] <= positions.view(B, T)[:, :, None]).unsqueeze(1)
 
     def _w(self, w: Weight) -> ProductWeight:
         """The weight this step multiplies: its tinygemm repack or 16-bit copy where the step takes one, else w."""
@@ -411,8 +427,14 @@ class _FusedOps:
             return k.cached_attention(q, k_cache, v_cache, self.positions, T)
         qh = q.view(self.B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
         policy = k.policy
-        out = sdpa(qh, k_cache[:, :, :T], v_cache[:, :, :T], causal=True, gqa=cfg.n_heads != cfg.n_kv_heads,
-                   math_only=policy.sdpa_math_only, cudnn=policy.sdpa_cudnn)  # fmt: skip
+        gqa = cfg.n_heads != cfg.n_kv_heads
+        if self.mask is None:
+            out = sdpa(qh, k_cache[:, :, :T], v_cache[:, :, :T], causal=True, gqa=gqa,
+                       math_only=policy.sdpa_math_only, cudnn=policy.sdpa_cudnn)  # fmt: skip
+        else:
+            span = self.mask.shape[-1]
+            out = sdpa(qh, k_cache[:, :, :span], v_cache[:, :, :span], mask=self.mask, gqa=gqa,
+                       math_only=policy.sdpa_math_only, cudnn=policy.sdpa_cudnn)  # fmt: skip
         return out.transpose(1, 2).reshape(self.B * T, cfg.q_dim)
 
     def project(
@@ -463,7 +485,12 @@ class _FusedOps:
         return self.dec._gate_logit(state).view(self.B, self.T)
 
     def head(self, x: torch.Tensor, n: Norm | None, scale: float) -> torch.Tensor:
-        rows = x.view(self.B, self.T, -1)[:, -1] if self.last_only else x
+        if not self.last_only:
+            rows = x
+        elif self.last_index is None:
+            rows = x.view(self.B, self.T, -1)[:, -1]
+        else:
+            rows = x.view(self.B, self.T, -1)[torch.arange(self.B, device=x.device), self.last_index]
         logits = self.k.fused_linear(rows, self._w(self.eng.weights.head), norm_weight=None if n is None else n.weight,
                                      eps=self.cfg.norm_eps, out_dtype=torch.float32)  # fmt: skip
         if scale != 1.0:
