@@ -8,6 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+# Flash first (16-bit, no mask), then the memory-efficient kernel (float32, masks), then math.
+_NO_PLAN_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
 
 def sdpa(
     q: torch.Tensor,
@@ -21,8 +24,13 @@ def sdpa(
     cudnn: bool = False,
 ) -> torch.Tensor:
     """Scaled dot-product attention, q [B, H, T, hd], k/v [B, KVH, S, hd]."""
-    if q.device.type != "cuda" or not (math_only or cudnn):
+    if q.device.type != "cuda":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
+    if not (math_only or cudnn):
+        # Left to itself PyTorch picks cuDNN on Hopper, which builds an execution plan for every new shape:
+        # milliseconds of host time each, and a continuous batcher's prompt chunks come in ever new shapes.
+        with sdpa_kernel(_NO_PLAN_BACKENDS):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
     if math_only:  # the simple path: one matmul-softmax-matmul, no tiling
         with sdpa_kernel([SDPBackend.MATH]):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=gqa)
