@@ -26,7 +26,7 @@ from tinyloop.sampling import SamplingParams
 DEFAULT_POOL_BYTES = 64 << 20
 DEFAULT_QUEUE = 1024
 DEFAULT_PREFILL_CHUNK = 256
-DEFAULT_PREFILL_ROWS = 8
+DEFAULT_PREFILL_ROWS = 4
 
 
 def _positive(name: str, value: Any) -> int:
