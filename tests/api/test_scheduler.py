@@ -79,13 +79,11 @@ def test_prompts_prefilled_together_stay_within_the_cache_when_padded(models) ->
     prompts, kw = [list(range(40, 60)), list(range(50, 62))], dict(max_tokens=4, temperature=0.0)
     # Step 2 resumes the first prompt at position 16: the second's chunk is cut to 8 so that the rows,
     # padded to one width, still end inside the 24 positions.
-    for width_multiple in (1, 64):  # 64: rows padded to a multiple of 64 tokens, as on a GPU, within the cache
-        s = tinyloop.Scheduler(m, max_batch=2, max_seq_len=24, prefill_chunk_tokens=16, prefix_pool=False)
-        s._width_multiple = width_multiple
-        handles = [s.submit(p, **kw) for p in prompts]
-        s.stop(drain=True)
-        assert [h.result().tolist() for h in handles] == [_alone(m, p, kw) for p in prompts]
-        assert s.stats()["prefill_steps"] == 3
+    s = tinyloop.Scheduler(m, max_batch=2, max_seq_len=24, prefill_chunk_tokens=16, prefix_pool=False)
+    handles = [s.submit(p, **kw) for p in prompts]
+    s.stop(drain=True)
+    assert [h.result().tolist() for h in handles] == [_alone(m, p, kw) for p in prompts]
+    assert s.stats()["prefill_steps"] == 3
 
 
 def test_requests_from_a_thread_with_sleeps_stream_what_generate_gives(models) -> None:

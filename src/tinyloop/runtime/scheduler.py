@@ -35,8 +35,6 @@ from tinyloop.runtime.decode import Row, begin, decode_step, pick_token, prepare
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.requests import Request, RequestHandle
 
-PREFILL_WIDTH_MULTIPLE = 64
-
 
 class PoolEntry(Protocol):
     """What the scheduler reads from a prefix-pool entry (a tinyloop.PrefixCache)."""
@@ -84,10 +82,6 @@ class SlotScheduler:
         self.prefix = prefix
         self.slots = new_cache(limits.max_batch)  # None: kv_mode 'none' (every step recomputes the rows)
         self.staging = new_cache(limits.prefill_rows) if self.slots is not None else None
-        # A GPU step of a shape it has not run yet costs tens of milliseconds of host time beyond a known one
-        # (an H200 prefill step of seed-407m: 12 ms for a known shape), and prompt chunks come in every length:
-        # there, rows are padded to a multiple of 64 tokens. On a CPU padding is only more work.
-        self._width_multiple = PREFILL_WIDTH_MULTIPLE if engine.device.type == "cuda" else 1
         self._rows: list[Request | None] = [None] * limits.max_batch
         self._prefilling: list[Request] = []  # admitted, prompt not yet in the slot (at most one after a step)
         self._waiting: deque[Request] = deque()
@@ -385,9 +379,7 @@ class SlotScheduler:
         """The plan's forward: the logits [len(plan), V] after each row's chunk."""
         chunks = [req.row.prompt[req.prefilled : req.prefilled + chunk] for req, chunk in plan]
         valid = torch.tensor([len(c) for c in chunks], dtype=torch.long)
-        room = self.limits.max_seq_len - max(req.prefilled for req, _ in plan)
-        width = min(-(-int(valid.max()) // self._width_multiple) * self._width_multiple, room)
-        tokens = torch.zeros(len(plan), width, dtype=torch.long)
+        tokens = torch.zeros(len(plan), int(valid.max()), dtype=torch.long)
         for b, c in enumerate(chunks):
             tokens[b, : len(c)] = c
         loops = [req.row.loops for req, _ in plan]
