@@ -39,7 +39,9 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def run_scheduler(model: tinyloop.Model, prompts, outputs, arrivals, args) -> dict:
-    scheduler = tinyloop.Scheduler(model, max_batch=args.max_batch, prefill_chunk_tokens=args.chunk)
+    scheduler = tinyloop.Scheduler(
+        model, max_batch=args.max_batch, prefill_chunk_tokens=args.chunk, prefill_rows=args.prefill_rows
+    )
     handles: list[tinyloop.RequestHandle] = []
     c0, t0 = time.process_time(), time.perf_counter()
     with scheduler:
@@ -95,7 +97,8 @@ def main() -> None:
     p.add_argument("--output", type=int, nargs=2, default=(16, 256), metavar=("MIN", "MAX"))
     p.add_argument("--rate", type=float, default=16.0, help="mean arrivals per second")
     p.add_argument("--max-batch", type=int, default=8)
-    p.add_argument("--chunk", type=int, default=256, help="prefill_chunk_tokens")
+    p.add_argument("--chunk", type=int, help="prefill_chunk_tokens (default: the Scheduler's)")
+    p.add_argument("--prefill-rows", type=int, default=4, help="prefill_rows")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's); on a shared CPU give 1")
     p.add_argument("--json", help="write the results here")

@@ -207,7 +207,10 @@ def test_submit_checks_arguments_like_generate(models) -> None:
         tinyloop.Scheduler(m, max_batch=0)
     with pytest.raises(TypeError, match="prefix_pool"):
         tinyloop.Scheduler(m, prefix_pool="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="prefill_rows"):
+        tinyloop.Scheduler(m, prefill_rows=0)
     assert s.stats()["waiting"] == 0
+    assert (s.limits.prefill_chunk_tokens, s.limits.prefill_rows) == (256, 2)  # the CPU's budget; rows <= slots
 
 
 def test_a_full_queue_raises_queue_full_error(models) -> None:

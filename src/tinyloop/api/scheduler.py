@@ -25,7 +25,10 @@ from tinyloop.sampling import SamplingParams
 # The prefix pool a Scheduler keeps by default (prefix_pool=True): at most this many bytes of prompt K/V.
 DEFAULT_POOL_BYTES = 64 << 20
 DEFAULT_QUEUE = 1024
-DEFAULT_PREFILL_CHUNK = 256
+# Prompt tokens per step: on a CPU a step of 256 already stalls the running streams for a while; a GPU's
+# prefill step costs mostly host time whatever its length (H200, seed-407m, Poisson arrivals in
+# docs/BENCHMARKS.md: 1,024 gave 1.08x a static batch's throughput where 256 gave 0.84x).
+DEFAULT_PREFILL_CHUNK = {"cpu": 256, "cuda": 1024}
 DEFAULT_PREFILL_ROWS = 4
 
 
@@ -40,11 +43,11 @@ class Scheduler(SlotScheduler):
 
     `submit(prompt, **generate's keyword arguments)` returns a RequestHandle at once (thread-safe; a full
     queue raises QueueFullError); the engine thread admits waiting requests into free slots, prefilling at
-    most `prefill_chunk_tokens` prompt tokens per step between batched decode steps, so running requests
-    keep streaming. The prompts of up to `prefill_rows` requests (at most max_batch) admitted together are
-    prefilled in one batched step, through a staging cache of that many rows of max_seq_len tokens (its
-    memory comes on top of the slots'). Each request's tokens are those `Model.generate` gives with the
-    same arguments (greedy exactly; seeded sampling exactly on the CPU).
+    most `prefill_chunk_tokens` prompt tokens (default 1,024 on a GPU, 256 elsewhere) per step between batched
+    decode steps, so running requests keep streaming. The prompts of up to `prefill_rows` requests (at most
+    max_batch) admitted together are prefilled in one batched step, through a staging cache of that many
+    rows of max_seq_len tokens (its memory comes on top of the slots'). Each request's tokens are those
+    `Model.generate` gives with the same arguments (greedy exactly; seeded sampling exactly on the CPU).
 
     max_seq_len: prompt + max_tokens of one request (default: the model's max_seq_len). max_loops: the
     deepest request allowed (default: the model's default loops); the slots hold that many iterations.
@@ -63,7 +66,7 @@ class Scheduler(SlotScheduler):
         max_queue: int = DEFAULT_QUEUE,
         *,
         max_loops: int | None = None,
-        prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK,
+        prefill_chunk_tokens: int | None = None,
         prefill_rows: int = DEFAULT_PREFILL_ROWS,
         prefix_pool: PrefixPool | bool = True,
     ) -> None:
@@ -79,7 +82,12 @@ class Scheduler(SlotScheduler):
             max_seq_len=seq,
             max_loops=model._loops(max_loops),
             max_queue=_positive("max_queue", max_queue),
-            prefill_chunk_tokens=_positive("prefill_chunk_tokens", prefill_chunk_tokens),
+            prefill_chunk_tokens=_positive(
+                "prefill_chunk_tokens",
+                DEFAULT_PREFILL_CHUNK.get(model.device.type, 256)
+                if prefill_chunk_tokens is None
+                else prefill_chunk_tokens,
+            ),
             prefill_rows=min(_positive("prefill_rows", prefill_rows), max_batch),
         )
         self.model = model
