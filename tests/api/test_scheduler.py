@@ -86,6 +86,20 @@ def test_prompts_prefilled_together_stay_within_the_cache_when_padded(models) ->
     assert s.stats()["prefill_steps"] == 3
 
 
+def test_aborting_a_prompt_cut_by_the_budget_frees_its_slot_and_staging_row(models) -> None:
+    m = models["16bit"]
+    kw = dict(max_tokens=4, temperature=0.0)
+    s = tinyloop.Scheduler(m, max_batch=2, prefill_chunk_tokens=8, prefill_rows=2, prefix_pool=False)
+    cut = s.submit(list(range(40, 60)), **kw)
+    s.step()  # 8 of its 20 tokens: it goes on next step
+    s.abort(cut)
+    after = [s.submit(p, **kw) for p in (list(range(60, 71)), list(b"abc"))]
+    s.stop(drain=True)
+    assert cut.finish_reason == "abort"
+    assert [h.result().tolist() for h in after] == [_alone(m, list(range(60, 71)), kw), _alone(m, list(b"abc"), kw)]
+    assert s.stats()["running"] == 0 and s.stats()["aborted"] == 1
+
+
 def test_requests_from_a_thread_with_sleeps_stream_what_generate_gives(models) -> None:
     m = models["16bit"]
     want = [_alone(m, p, kw) for p, kw in REQUESTS]
