@@ -41,22 +41,24 @@ def _alone(model: tinyloop.Model, prompt: list[int], kw: dict) -> list[int]:
 @pytest.mark.parametrize("mode", sorted(KV_MODES))
 def test_requests_joining_at_different_steps_equal_each_alone(models, mode: str) -> None:
     m = models[mode]
-    # 3 slots for 7 requests, prompts longer than a prefill chunk: rows join while others decode.
-    s = tinyloop.Scheduler(m, max_batch=3, max_loops=4, prefill_chunk_tokens=8)
-    handles = []
-    for i, (prompt, kw) in enumerate(REQUESTS):
-        handles.append(s.submit(prompt, **kw))
-        for _ in range(i % 3):
-            s.step()
-    s.stop(drain=True)
-    for h, (prompt, kw) in zip(handles, REQUESTS, strict=True):
-        assert h.result().tolist() == _alone(m, prompt, kw), (prompt, kw)
-        assert h.finish_reason in ("stop", "length")
-    assert handles[-1].result().size == 0 and handles[-1].finish_reason == "length"
-    stats = s.stats()
-    assert stats["running"] == stats["waiting"] == 0 and stats["finished"] == len(REQUESTS)
-    assert stats["generated_tokens"] == sum(h.stats.generated_tokens for h in handles)
-    assert stats["prefill_rows"] > stats["prefill_steps"]  # prompts were prefilled together
+    for together in (False, True):  # prompts prefilled one by one (the CPU's way) or batched (the GPU's)
+        # 3 slots for 7 requests, prompts longer than a prefill chunk: rows join while others decode.
+        s = tinyloop.Scheduler(m, max_batch=3, max_loops=4, prefill_chunk_tokens=8)
+        s.prefill_together = together
+        handles = []
+        for i, (prompt, kw) in enumerate(REQUESTS):
+            handles.append(s.submit(prompt, **kw))
+            for _ in range(i % 3):
+                s.step()
+        s.stop(drain=True)
+        for h, (prompt, kw) in zip(handles, REQUESTS, strict=True):
+            assert h.result().tolist() == _alone(m, prompt, kw), (prompt, kw, together)
+            assert h.finish_reason in ("stop", "length")
+        assert handles[-1].result().size == 0 and handles[-1].finish_reason == "length"
+        stats = s.stats()
+        assert stats["running"] == stats["waiting"] == 0 and stats["finished"] == len(REQUESTS)
+        assert stats["generated_tokens"] == sum(h.stats.generated_tokens for h in handles)
+        assert (stats["prefill_rows"] > stats["prefill_steps"]) == together
 
 
 @pytest.mark.parametrize("mode", ["16bit", "window", "none"])
@@ -66,6 +68,7 @@ def test_prompts_prefilled_together_equal_each_alone(models, mode: str) -> None:
     kws = [dict(max_tokens=4, loops=(2, 4, 3, 4, 1)[i], temperature=0.0) for i in range(len(prompts))]
     # Step 1: 9 + 11 of 14 tokens (cut, moves to staging row 0); step 2: its last 3, then 3 and 14 of 21.
     s = tinyloop.Scheduler(m, max_batch=5, max_loops=4, prefill_chunk_tokens=20, prefill_rows=3)
+    s.prefill_together = True  # as on a GPU: one forward per round
     handles = [s.submit(p, **kw) for p, kw in zip(prompts, kws, strict=True)]
     s.stop(drain=True)
     for h, p, kw in zip(handles, prompts, kws, strict=True):
@@ -80,6 +83,7 @@ def test_prompts_prefilled_together_stay_within_the_cache_when_padded(models) ->
     # Step 2 resumes the first prompt at position 16: the second's chunk is cut to 8 so that the rows,
     # padded to one width, still end inside the 24 positions.
     s = tinyloop.Scheduler(m, max_batch=2, max_seq_len=24, prefill_chunk_tokens=16, prefix_pool=False)
+    s.prefill_together = True  # as on a GPU: one forward per round
     handles = [s.submit(p, **kw) for p in prompts]
     s.stop(drain=True)
     assert [h.result().tolist() for h in handles] == [_alone(m, p, kw) for p in prompts]

@@ -40,8 +40,9 @@ class ModeCache(StepCache, Protocol):
     restore(tensors, length, loops, use, row): load such a snapshot into `row` (default 0) and keep its
     first `use` tokens; `can_use(length, use)` says whether that truncation is exact in this mode.
     clear_row(row): zero a row's buffers and length (after a failed request: nothing it wrote is read again).
-    leading(n) / absorb(view): a cache over rows [0, n) sharing the buffers (a step over fewer rows), and
-    taking back the bookkeeping (lengths, ring positions) a step over it replaced.
+    leading(n) / rows(first, n) / absorb(view): a cache over rows [0, n) (or [first, first + n)) sharing the
+    buffers (a step over fewer rows), and taking back the bookkeeping (lengths, ring positions) a step over it
+    replaced.
     """
 
     mode: str
@@ -56,6 +57,8 @@ class ModeCache(StepCache, Protocol):
     def clear_row(self, row: int) -> None: ...
 
     def leading(self, n: int) -> ModeCache: ...
+
+    def rows(self, first: int, n: int) -> ModeCache: ...
 
     def absorb(self, view: ModeCache) -> None: ...
 
@@ -96,22 +99,29 @@ class RowViews:
         """Attributes holding [slots, B, ...] buffers."""
         return ["k", "v"]
 
+    _first_row = 0  # where a view's rows start in the cache it was taken from
+
     def leading(self, n: int) -> Any:
+        return self.rows(0, n)
+
+    def rows(self, first: int, n: int) -> Any:
         view = copy.copy(self)
         for name in self._row_buffers():
-            setattr(view, name, getattr(self, name).narrow(1, 0, n))
+            setattr(view, name, getattr(self, name).narrow(1, first, n))
         for name in self._row_state:
-            setattr(view, name, getattr(self, name)[:n].clone())
+            setattr(view, name, getattr(self, name)[first : first + n].clone())
         rows = getattr(self, "_rows", None)
         if rows is not None:
-            view._rows = rows[:n]  # type: ignore[attr-defined]
+            view._rows = rows[:n]  # type: ignore[attr-defined]  # row indices within the view's buffers
+        view._first_row = first
         return view
 
     def absorb(self, view: Any) -> None:
+        first = view._first_row
         for name in self._row_state:
             part = getattr(view, name)
             whole = getattr(self, name).clone()
-            whole[: part.shape[0]] = part
+            whole[first : first + part.shape[0]] = part
             setattr(self, name, whole)
 
 
