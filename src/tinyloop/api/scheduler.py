@@ -44,10 +44,11 @@ class Scheduler(SlotScheduler):
     `submit(prompt, **generate's keyword arguments)` returns a RequestHandle at once (thread-safe; a full
     queue raises QueueFullError); the engine thread admits waiting requests into free slots, prefilling at
     most `prefill_chunk_tokens` prompt tokens (default 1,024 on a GPU, 256 elsewhere) per step between batched
-    decode steps, so running requests keep streaming. The prompts of up to `prefill_rows` requests (at most
-    max_batch) admitted together are prefilled in one batched step, through a staging cache of that many
-    rows of max_seq_len tokens (its memory comes on top of the slots'). Each request's tokens are those
-    `Model.generate` gives with the same arguments (greedy exactly; seeded sampling exactly on the CPU).
+    decode steps, so running requests keep streaming: in rounds of up to `prefill_rows` admitted prompts (at
+    most max_batch), through a staging cache of that many rows of max_seq_len tokens (its memory comes on top
+    of the slots'). On a GPU a round is one batched forward; on a CPU one forward per prompt. Each request's
+    tokens are those `Model.generate` gives with the same arguments (greedy exactly; seeded sampling exactly
+    on the CPU).
 
     max_seq_len: prompt + max_tokens of one request (default: the model's max_seq_len). max_loops: the
     deepest request allowed (default: the model's default loops); the slots hold that many iterations.
