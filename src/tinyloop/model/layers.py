@@ -44,6 +44,13 @@ class StepContext:
     cache: KVStore | None
 
 
+def position_mask(positions: torch.Tensor, span: int) -> torch.Tensor:
+    """Which keys each query sees ([B, 1, T, span] bool): the query at positions[b, t] ([B, T]) sees cache
+    positions 0 .. positions[b, t]."""
+    keys = torch.arange(span, device=positions.device)
+    return (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)
+
+
 def norm(x: torch.Tensor, w: Norm, cfg: ArchConfig) -> torch.Tensor:
     xf = x.float()
     if cfg.norm_kind == "rmsnorm":

@@ -16,7 +16,7 @@ from tinyloop.config import ArchConfig
 from tinyloop.errors import ModelClosedError
 from tinyloop.kernels.policy import KernelPolicy
 from tinyloop.log import detail
-from tinyloop.model.layers import KVStore, StepContext, rope_tables
+from tinyloop.model.layers import KVStore, StepContext, position_mask, rope_tables
 from tinyloop.model.looped import ForwardOutput, forward, state_noise_table
 from tinyloop.model.weights import ModelWeights
 from tinyloop.runtime.decode_path import Decoder
@@ -111,10 +111,7 @@ class Engine:
 
     def context(self, positions: torch.Tensor, cache: KVStore | None, attend_len: int | None) -> StepContext:
         """attend_len None: attend causally over this step's own tokens (no earlier context)."""
-        mask = None
-        if attend_len is not None:
-            span = torch.arange(attend_len, device=self.device)
-            mask = (span[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B, 1, T, S]
+        mask = None if attend_len is None else position_mask(positions, attend_len)
         return StepContext(positions, self.cos[positions], self.sin[positions], mask, cache)
 
     def step(

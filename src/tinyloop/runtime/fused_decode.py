@@ -27,6 +27,7 @@ from tinyloop.kernels.attention_backend import sdpa
 from tinyloop.kernels.cuda_ops import CudaKernels, ProductWeight, dequantize_int4
 from tinyloop.kernels.dispatch import Weight, embedding
 from tinyloop.log import detail, info
+from tinyloop.model.layers import position_mask
 from tinyloop.model.looped import ForwardOutput, run
 from tinyloop.model.ops import gate_logit
 from tinyloop.model.weights import LayerWeights, Norm
@@ -399,9 +400,8 @@ class _FusedOps:
         self.B, self.T, self.last_only, self.last_index = B, T, last_only, last_index
         self.substitutes = dec.step_weights(B, T)
         self.mask: torch.Tensor | None = None
-        if span is not None and T > FUSED_ATTENTION_MAX_TOKENS:  # each query sees the cache up to its position
-            keys = torch.arange(span, device=positions.device)
-            self.mask = (keys[None, None, :] <= positions.view(B, T)[:, :, None]).unsqueeze(1)
+        if span is not None and T > FUSED_ATTENTION_MAX_TOKENS:
+            self.mask = position_mask(positions.view(B, T), span)
 
     def _w(self, w: Weight) -> ProductWeight:
         """The weight this step multiplies: its tinygemm repack or 16-bit copy where the step takes one, else w."""

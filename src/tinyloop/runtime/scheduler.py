@@ -297,21 +297,18 @@ class SlotScheduler:
                 req = self._waiting.popleft()
                 req.slot = self._rows.index(None)
                 self._rows[req.slot] = req  # reserved: the slot's row is written when the prefill ends
-                self._prefilling.append(req)
             begin(req.row)
             if req.row.done:  # max_tokens 0, a grammar that accepts nothing: freed at the end of the step
-                self._prefilling.remove(req)
                 continue
             req.stage_row = stage_row
             try:
                 exact = self._start_from_pool(req)
             except Exception as exc:  # this request fails; the others go on
-                self._prefilling.remove(req)
                 self._fail(req, exc)
                 continue
             if exact is None:
+                self._prefilling.append(req)
                 return req
-            self._prefilling.remove(req)
             self._first_tokens([(req, exact)])
 
     def _admit_later(self, req: Request) -> None:
@@ -358,8 +355,8 @@ class SlotScheduler:
         return None
 
     def _prefill(self, plan: list[tuple[Request, int]]) -> None:
-        """Run the plan's chunks as one batched step (right-padded rows over the staging cache); requests
-        whose prompt is then complete move to their slots and sample their first token."""
+        """Run the plan's chunks (`_prefill_step`); requests whose prompt is then complete move to their slots
+        and sample their first token."""
         if not plan:
             return
         try:
@@ -414,8 +411,6 @@ class SlotScheduler:
         staging = self.staging
         if staging is None:
             out = self.engine.step(tokens, None, max(loops), valid=valid, last_only=True, depth=depth)
-        elif first == 0 and len(chunks) == self.limits.prefill_rows:
-            out = self.engine.step(tokens, staging, max(loops), valid=valid, last_only=True, depth=depth)
         else:
             view = staging.rows(first, len(chunks))
             out = self.engine.step(tokens, view, max(loops), valid=valid, last_only=True, depth=depth)
