@@ -171,6 +171,67 @@ class CudaTinygemmWeight:
         return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group_size, self.scales_zeros)
 
 
+# Nibble of a CudaMmaInt4Weight word that holds column 8 w + e (e = 0..7): the order in which the decoding of
+# kernels/gluon_int4_mma.py emits 16-bit weights (output register j holds nibbles j and j + 4, low half first).
+MMA_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+@dataclass(frozen=True)
+class CudaMmaInt4Weight:
+    """An INT4 matrix for the tensor-core product of kernels/gluon_int4_mma.py (batched decode steps): `words`
+    [out, in / 8] int32 in column order (word w holds columns 8 w..8 w + 7, column 8 w + e in nibble
+    MMA_NIBBLE_OF_COLUMN[e]) and `pairs` [out, in / G] int32, each group's scale (low 16 bits) and minimum
+    (high 16 bits) in `dtype`, so that the kernel decodes a weight as q * scale + minimum with one 16-bit rounding.
+    As many bytes as the INT4 matrix. Made from an Int4Weight (plain or blocked) on its device (`from_int4`)."""
+
+    words: torch.Tensor
+    pairs: torch.Tensor
+    group_size: int
+    dtype: torch.dtype
+
+    @classmethod
+    def supports(cls, w: Int4Weight, dtype: torch.dtype) -> bool:
+        return dtype in (torch.bfloat16, torch.float16) and w.group_size % 8 == 0 and w.shape[1] % 8 == 0
+
+    @classmethod
+    def from_int4(cls, w: Int4Weight, dtype: torch.dtype) -> CudaMmaInt4Weight:
+        if not cls.supports(w, dtype):
+            raise ValueError(
+                f"the tensor-core INT4 layout takes bfloat16 or float16 compute and groups of a multiple of 8 "
+                f"columns, got {dtype} and groups of {w.group_size}"
+            )
+        codes = w.codes(w.packed).to(torch.int64)  # [out, in] in column order
+        n, k = codes.shape
+        by_word = codes.view(n, k // 8, 8)
+        words = torch.zeros((n, k // 8), dtype=torch.int64, device=codes.device)
+        for e, nibble in enumerate(MMA_NIBBLE_OF_COLUMN):
+            words |= by_word[..., e] << (4 * nibble)
+        words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+        low = w.scale.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
+        high = w.minimum.to(dtype).view(torch.int16).to(torch.int32) << 16
+        return cls(words.contiguous(), (low | high).contiguous(), w.group_size, dtype)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.words.shape[0], self.words.shape[1] * 8)
+
+    @property
+    def nbytes(self) -> int:
+        return self.words.nbytes + self.pairs.nbytes
+
+    def codes(self) -> torch.Tensor:
+        """The INT4 codes [out, in] in column order."""
+        shifts = torch.tensor([4 * n for n in MMA_NIBBLE_OF_COLUMN], dtype=torch.int32, device=self.words.device)
+        return ((self.words[..., None] >> shifts) & 0xF).flatten(-2)
+
+    def dequantize(self) -> torch.Tensor:
+        """What the kernel multiplies: q * scale + minimum from the 16-bit scale and minimum, rounded to `dtype`."""
+        scale = self.pairs.to(torch.int16).view(self.dtype).to(torch.float32)
+        minimum = (self.pairs >> 16).to(torch.int16).view(self.dtype).to(torch.float32)
+        q = self.codes().to(torch.float32).unflatten(-1, (-1, self.group_size))
+        return (q * scale[..., None] + minimum[..., None]).flatten(-2).to(self.dtype)
+
+
 @dataclass(frozen=True)
 class CpuInt4Weight(Int4Weight):
     """An Int4Weight also held for bfloat16 compute on the CPU (kernels/cpu_int4.py): `tinygemm` in the layout

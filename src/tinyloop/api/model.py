@@ -61,7 +61,7 @@ class Model(IntrospectionMixin, CachingMixin, TextMixin, SpeculativeMixin, Batch
         # CUDA: what the captured decode graphs and the scoring scratch cache hold, as allocated.
         decoder = self._engine.decoder
         total += getattr(decoder, "graph_bytes", 0) + getattr(decoder, "dense_copy_bytes", 0)
-        total += getattr(decoder, "tinygemm_bytes", 0)
+        total += getattr(decoder, "tinygemm_bytes", 0) + getattr(decoder, "mma_int4_bytes", 0)
         scratch = getattr(decoder, "_scratch", None)
         if scratch is not None:
             total += scratch.nbytes

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tinyloop.kernels import persistent_mlp
+from tinyloop.kernels import gluon_int4_mma, persistent_mlp
 from tinyloop.kernels.dispatch import Weight
 from tinyloop.kernels.policy import ACT_GELU, ACT_NONE, ACT_SWIGLU, KernelPolicy
 from tinyloop.kernels.triton_attention import _cached_attention_kernel, _rope_attention_kernel, _rope_store_kernel
@@ -29,12 +29,12 @@ from tinyloop.kernels.triton_matmul import (
 )
 from tinyloop.kernels.triton_norm import _rms_norm_kernel
 from tinyloop.log import info
-from tinyloop.quant import BlockedInt4Weight, CudaTinygemmWeight, Int4Weight
+from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, CudaTinygemmWeight, Int4Weight
 
 __all__ = ["ACT_GELU", "ACT_NONE", "ACT_SWIGLU", "CudaKernels", "KernelPolicy", "ProductWeight"]
 
 # What a product multiplies: a model weight, or a decoder's tinygemm repack of an INT4 one.
-ProductWeight = Weight | CudaTinygemmWeight
+ProductWeight = Weight | CudaTinygemmWeight | CudaMmaInt4Weight
 
 # Gluon kernels that failed to compile with the installed Triton ("gluon", "staged"): a fact about this
 # process's Triton, recorded once so that later launches go straight to the Triton kernel.
@@ -188,6 +188,8 @@ def fused_linear(
         out = torch.empty((M, N), dtype=dtype, device=x.device)
     if isinstance(w, CudaTinygemmWeight):
         return _linear_unfused(policy, x, w, norm_weight, eps, bias, act, residual, out)
+    if isinstance(w, CudaMmaInt4Weight):
+        return _mma_int4_linear(policy, x, w, norm_weight, eps, bias, act, residual, out)
     blocked = isinstance(w, BlockedInt4Weight)
     if blocked:
         many_rows = policy.int4_rows_on_cublas(M)
@@ -267,6 +269,58 @@ def _splitk_linear(
     return out
 
 
+def mma_int4_applies(policy: KernelPolicy, w: CudaMmaInt4Weight, rows: int) -> bool:
+    """Whether the tensor-core INT4 kernel's tile for `rows` rows divides w (out by its weight rows, in by its
+    columns per step, and its columns per step by the INT4 groups)."""
+    n, k = w.shape
+    warps, row_tiles, block_k, _ = policy.mma_int4_tile(n, k, rows)
+    return n % (16 * warps * row_tiles) == 0 and k % block_k == 0 and block_k % w.group_size == 0
+
+
+def _mma_int4_linear(
+    policy: KernelPolicy,
+    x: torch.Tensor,
+    w: CudaMmaInt4Weight,
+    norm_weight: torch.Tensor | None,
+    eps: float,
+    bias: torch.Tensor | None,
+    act: int,
+    residual: torch.Tensor | None,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Float32 partial products over K splits on tensor cores (`gluon_int4_mma`), `_splitk_epilogue_kernel` to
+    finish (1 / rms, bias, SwiGLU, residual)."""
+    if x.dtype != w.dtype:
+        raise ValueError(f"the tensor-core INT4 copy was made for {w.dtype} compute, got {x.dtype} rows")
+    M, K = x.shape
+    n_total, N = w.shape[0], out.shape[1]
+    warps, row_tiles, block_k, rows_x = policy.mma_int4_tile(n_total, K, M)
+    block_n = 16 * warps * row_tiles
+    if not mma_int4_applies(policy, w, M):
+        raise ValueError(f"the tensor-core INT4 tile ({block_n} rows x {block_k} columns) does not divide {w.shape}")
+    n_tiles, m_tiles, k_tiles = n_total // block_n, triton.cdiv(M, rows_x), K // block_k
+    splits = min(k_tiles, max(1, policy.splitk_programs // (n_tiles * m_tiles)))
+    tiles_per_split = triton.cdiv(k_tiles, splits)
+    splits = triton.cdiv(k_tiles, tiles_per_split)
+    part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
+    norm = norm_weight is not None
+    nw = norm_weight if norm_weight is not None else x
+    res = residual if residual is not None else out
+    b = bias if bias is not None else out
+    gluon_int4_mma._int4_mma_kernel[(n_tiles, splits, m_tiles)](
+        x, w.words, w.pairs, nw, part, M, n_total, K, tiles_per_split, x.stride(0), K // 8, K // w.group_size,
+        GROUP=w.group_size, NORM=norm, BN=block_n, BK=block_k, MP=rows_x,
+        **gluon_int4_mma.layouts(warps, row_tiles, block_k, rows_x), num_warps=warps, **policy.pdl_options(),
+    )  # fmt: skip
+    block = min(1024, triton.next_power_of_2(N))
+    _splitk_epilogue_kernel[(M, triton.cdiv(N, block))](
+        x, part, out, res, b, M, N, K, splits, eps, x.stride(0), out.stride(0), res.stride(0), NORM=norm,
+        BIAS=bias is not None, ACT=act, RESIDUAL=residual is not None, BLOCK=block, num_warps=4,
+        **policy.pdl_options(),
+    )  # fmt: skip
+    return out
+
+
 def dequantize_int4(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
     """The dense [N, K] weight in `dtype`, computed on the weight's device."""
     N, K = w.shape
@@ -340,6 +394,8 @@ def _product(
         if addend is None:
             return y
         return torch.add(addend, y, out=out) if out is not None else y.add_(addend)
+    if isinstance(w, CudaMmaInt4Weight):
+        w = w.dequantize()
     if out is None and residual is not None:
         out = torch.empty((h.shape[0], w.shape[0]), dtype=h.dtype, device=h.device)
     dense = _dense_weight(w, h.dtype)

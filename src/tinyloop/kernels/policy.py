@@ -102,6 +102,13 @@ class KernelPolicy:
     # in the row count (seed-407m's four layer products 53.5 µs on an H100 at 1-64 rows): 3 rows 53.5 against
     # 58.8 on the Gluon GEMV, 8 rows against 80.9 on the split-K kernel.
     dense_copy_min_rows: int = 3
+    # Batched one-token steps of `mma_int4_min_rows` to `mma_int4_max_rows` sequences in 16-bit compute multiply
+    # the tensor-core INT4 kernel (kernels/gluon_int4_mma.py) on a copy of the INT4 matrices in its layout
+    # (quant.CudaMmaInt4Weight, as many bytes again), made on the first such step, where `mma_int4` is on; it
+    # takes those steps before tinygemm and the 16-bit copies. Off until measured on a GPU.
+    mma_int4: bool = False
+    mma_int4_min_rows: int = 3
+    mma_int4_max_rows: int = 64
     # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
     splitk_programs: int = 264
     # Cached attention (keys per block, warps) for heads of at least 128 and for narrower heads.
@@ -126,6 +133,8 @@ class KernelPolicy:
     blocked_tiles: Mapping[Shape, tuple[int, int, int]] = field(default_factory=dict)
     splitk_tiles: Mapping[Shape, tuple[int, int, int, int]] = field(default_factory=dict)
     gluon_tiles: Mapping[tuple[int, int, int, int], tuple[int, int, int, int, int]] = field(default_factory=dict)
+    # (N, K, rows) -> (warps, row tiles per warp, BLOCK_K, x rows per program) of the tensor-core INT4 kernel.
+    mma_int4_tiles: Mapping[Shape, tuple[int, int, int, int]] = field(default_factory=dict)
     # (d_model, ffn, rows) -> tile of the persistent MLP kernel.
     persistent_mlp_tiles: Mapping[Shape, PersistentMlpTile] = field(default_factory=dict)
 
@@ -184,6 +193,17 @@ class KernelPolicy:
             return self.splitk_tiles[(n, k, rows)]
         block_m = 16 if rows <= 16 else 64
         return (32, block_m, 256, 4) if n <= 2048 and k <= 2048 else (64, block_m, 128, 4)
+
+    def mma_int4_tile(self, n: int, k: int, rows: int) -> tuple[int, int, int, int]:
+        """(warps, row tiles of 16 weight rows per warp, BLOCK_K, x rows per program) of the tensor-core INT4
+        kernel. Untuned; the largest tiles that compile without spilling offline (sm_90a): 64 x rows only with
+        64 columns a step."""
+        if (n, k, rows) in self.mma_int4_tiles:
+            return self.mma_int4_tiles[(n, k, rows)]
+        rows_x = max(16, 1 << (rows - 1).bit_length())
+        if rows_x > 32:
+            return (4, 1, 64, 64)
+        return (4, 1, 128, rows_x)
 
     def gluon_tile(self, n: int, k: int, act: int, rows: int = 1) -> tuple[int, int, int, int, int]:
         """(weight rows per thread, lanes along rows, blocks per thread, warps along rows, warps along blocks)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from tinyloop.cache.kv import KVCache
-from tinyloop.kernels import l2_residency
+from tinyloop.kernels import cuda_ops, gluon_int4_mma, l2_residency
 from tinyloop.kernels.attention_backend import sdpa
 from tinyloop.kernels.cuda_ops import CudaKernels, ProductWeight, dequantize_int4
 from tinyloop.kernels.dispatch import Weight, embedding
@@ -31,7 +31,7 @@ from tinyloop.model.layers import position_mask
 from tinyloop.model.looped import ForwardOutput, run
 from tinyloop.model.ops import gate_logit
 from tinyloop.model.weights import LayerWeights, Norm
-from tinyloop.quant import CudaTinygemmWeight, Int4Weight
+from tinyloop.quant import CudaMmaInt4Weight, CudaTinygemmWeight, Int4Weight
 from tinyloop.runtime.decode_path import DecoderHost
 from tinyloop.stochastic.weight import StochasticInt4Weight
 
@@ -121,6 +121,9 @@ class FusedDecoder:
         # id(INT4 matrix) -> it repacked for torch's tinygemm kernel, made by the first small batched step.
         self._tinygemm: dict[int, CudaTinygemmWeight] = {}
         self.tinygemm_bytes = 0  # counted in vram_usage_mb
+        # id(INT4 matrix) -> it in the tensor-core INT4 kernel's layout, made by the first batched step it takes.
+        self._mma_int4: dict[int, CudaMmaInt4Weight] = {}
+        self.mma_int4_bytes = 0  # counted in vram_usage_mb
         self._qkv_bias: dict[int, torch.Tensor | None] = {}
         for lw in self._all_layers():
             self._qkv_bias[id(lw)] = self._combined_bias(lw)
@@ -226,11 +229,41 @@ class FusedDecoder:
         self.dense_copy_bytes = 0
         self._tinygemm = {}
         self.tinygemm_bytes = 0
+        self._mma_int4 = {}
+        self.mma_int4_bytes = 0
 
     def step_weights(self, batch: int, tokens: int) -> Mapping[int, ProductWeight]:
         """What a step of `batch` sequences x `tokens` tokens multiplies in place of the INT4 matrices (by id):
-        their tinygemm repacks in small batched steps, their 16-bit copies in many-row ones, none otherwise."""
-        return self.tinygemm_weights(batch, tokens) or self.dense_copies(batch, tokens)
+        their tensor-core INT4 copies or tinygemm repacks in batched steps, their 16-bit copies in many-row ones,
+        none otherwise."""
+        return (
+            self.mma_int4_weights(batch, tokens)
+            or self.tinygemm_weights(batch, tokens)
+            or self.dense_copies(batch, tokens)
+        )
+
+    def mma_int4_weights(self, batch: int, tokens: int) -> Mapping[int, ProductWeight]:
+        """The INT4 matrices in the tensor-core INT4 kernel's layout (those its tile divides), made on first use,
+        for batched one-token steps of policy.mma_int4_min_rows to mma_int4_max_rows sequences in 16-bit
+        compute; the others keep their INT4 kernels. Never for a single sequence's steps."""
+        if not self._takes_mma_int4(batch, tokens):
+            return {}
+        if not self._mma_int4:
+            dtype = self.engine.dtype
+            copies = {id(m): CudaMmaInt4Weight.from_int4(m, dtype) for m in self._int4_matrices
+                      if CudaMmaInt4Weight.supports(m, dtype)}  # fmt: skip
+            self.mma_int4_bytes = sum(c.nbytes for c in copies.values())
+            mib = self.mma_int4_bytes / 2**20
+            info(f"batched steps: INT4 matrices copied for the tensor-core kernel ({mib:.0f} MiB)")
+            self._mma_int4 = copies
+        policy = self.kernels.policy
+        return {key: c for key, c in self._mma_int4.items() if cuda_ops.mma_int4_applies(policy, c, batch)}
+
+    def _takes_mma_int4(self, batch: int, tokens: int) -> bool:
+        policy = self.kernels.policy
+        in_range = tokens == 1 and max(2, policy.mma_int4_min_rows) <= batch <= policy.mma_int4_max_rows
+        fits = self._tinygemm_fits and self.engine.dtype in (torch.bfloat16, torch.float16)
+        return policy.mma_int4 and in_range and fits and gluon_int4_mma.available()
 
     def tinygemm_weights(self, batch: int, tokens: int) -> dict[int, CudaTinygemmWeight]:
         """The INT4 matrices repacked for torch's tinygemm kernel (those whose shape it takes), made on first use,
@@ -257,7 +290,8 @@ class FusedDecoder:
         A single sequence's few-token steps (speculative verification) keep the INT4 kernels: their weights
         are the one-token step's, not rounded to 16 bits, so verification agrees with plain decoding."""
         policy = self.kernels.policy
-        batched = batch >= policy.dense_copy_min_rows and not self._takes_tinygemm(batch, tokens)
+        taken = self._takes_tinygemm(batch, tokens) or self._takes_mma_int4(batch, tokens)
+        batched = batch >= policy.dense_copy_min_rows and not taken
         many = batched or policy.int4_rows_on_cublas(batch * tokens)
         if not (policy.dense_copy_min_rows and many and self._dense_copies_fit and policy.cublas_16bit):
             return {}

@@ -1,0 +1,108 @@
+"""The tensor-core INT4 kernel (src/tinyloop/kernels/gluon_int4_mma.py) at 3-64 rows of x against what batched
+decode steps multiply today: cuBLAS on a 16-bit copy of the weight and torch's tinygemm INT4 kernel (both
+through the same launcher, with the epilogues each path runs). seed-407m's four layer products (the Ouro-1.4B
+shape has the same four), weights streamed from DRAM (16 copies per shape cycled inside one CUDA graph),
+bfloat16 activations, relative error against float32 of the dequantized INT4 weight. Each row count also tries
+a few tiles (`KernelPolicy.mma_int4_tiles`) and split counts (`splitk_programs`). Device only.
+
+    PYTHONPATH=src python bench/int4_mma_rows.py --out F.json [--rows 3 4 8 16 32 64] [--budget-s 240]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import torch
+import triton
+from gluon_gemv_rows import COPIES, SHAPES, copies_us, reference
+
+from tinyloop.env import RuntimeEnv
+from tinyloop.kernels import cuda_ops
+from tinyloop.kernels.cuda_backend import kernel_policy
+from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, CudaTinygemmWeight, quantize_int4
+
+SPLIT_PROGRAMS = (264, 528)
+
+
+def tile_candidates(rows: int) -> list[tuple[int, int, int, int]]:
+    """(warps, row tiles, BLOCK_K, x rows per program) worth timing at `rows` rows."""
+    rows_x = max(16, 1 << (rows - 1).bit_length())
+    if rows_x == 64:
+        return [(4, 1, 64, 64), (4, 2, 64, 64), (2, 1, 64, 64)]
+    if rows_x == 32:
+        return [(4, 1, 128, 32), (4, 2, 128, 32), (4, 1, 64, 32)]
+    return [(4, 1, 128, 16), (4, 2, 128, 16), (2, 1, 128, 16), (4, 1, 256, 16)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", type=int, nargs="*", default=[2, 3, 4, 8, 16, 32, 64])
+    ap.add_argument("--budget-s", type=float, default=240.0, help="stop the tile sweep after this long")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    policy = dataclasses.replace(kernel_policy(RuntimeEnv.read()), mma_int4=True)
+    gen = torch.Generator().manual_seed(0)
+    dev = torch.device("cuda")
+    result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+                    "shapes": {}, "best": {}}  # fmt: skip
+    for shape_index, (name, (n, k, act, norm, resid)) in enumerate(SHAPES.items()):
+        deadline = t_start + args.budget_s * (shape_index + 1) / len(SHAPES)
+        ws = [BlockedInt4Weight.from_int4(quantize_int4(torch.randn(n, k, generator=gen) / k**0.5, 64)).to(dev)
+              for _ in range(COPIES)]  # fmt: skip
+        dense = [cuda_ops.dequantize_int4(w, torch.bfloat16) for w in ws]
+        tinygemm = [CudaTinygemmWeight.from_int4(w) for w in ws]
+        mma = [CudaMmaInt4Weight.from_int4(w, torch.bfloat16) for w in ws]
+        nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(dev, torch.bfloat16) if norm else None
+        n_out = n // 2 if act == 1 else n
+        entry: dict = {}
+        for m in args.rows:
+            x = torch.randn(m, k, generator=gen).to(dev, torch.bfloat16)
+            res = torch.randn(m, n_out, generator=gen).to(dev, torch.bfloat16) if resid else None
+            ref = reference(x, dense[0], nw, act, res)
+            row: dict = {"tiles": {}}
+
+            def fused(pol, weights, x=x, res=res, nw=nw, act=act):  # type: ignore[no-untyped-def]
+                return lambda i: cuda_ops.fused_linear(pol, x, weights[i], norm_weight=nw, eps=1e-6, act=act,
+                                                       residual=res)  # fmt: skip
+
+            def measure(label: str, fn, row=row, ref=ref) -> None:  # type: ignore[no-untyped-def]
+                try:
+                    got = fn(0)
+                    row[label] = {"us": round(copies_us(fn), 2),
+                                  "rel_err": float((got.float() - ref).norm() / ref.norm())}  # fmt: skip
+                except Exception as exc:  # noqa: BLE001 - recorded; the other kernels are still measured
+                    row[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+
+            measure("cublas_16bit", fused(policy, dense))
+            measure("tinygemm", fused(policy, tinygemm))
+            measure("mma_int4", fused(policy, mma))
+            for tile in tile_candidates(m):
+                for programs in SPLIT_PROGRAMS:
+                    if time.perf_counter() > deadline:
+                        row["budget_exhausted"] = True
+                        break
+                    pol = dataclasses.replace(policy, mma_int4_tiles={(n, k, m): tile}, splitk_programs=programs)
+                    key = ",".join(map(str, (*tile, programs)))
+                    measure(key, fused(pol, mma), row=row["tiles"])
+            ok = {t: v for t, v in row["tiles"].items() if "us" in v and v["rel_err"] < 0.02}
+            if ok:
+                best = min(ok, key=lambda t: ok[t]["us"])
+                row["best_tile"] = best
+                row["best_us"] = ok[best]["us"]
+                result["best"][f"{n},{k},{m}"] = [int(v) for v in best.split(",")]
+            entry[m] = row
+            print(name, m, json.dumps({k_: v for k_, v in row.items() if k_ != "tiles"}), flush=True)
+        result["shapes"][name] = entry
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    result["seconds"] = round(time.perf_counter() - t_start, 1)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Gluon product of a few to 64 rows of x times an INT4 matrix on tensor cores (mma.sync m16n8k16, both operands
+in registers, no shared memory), for batched decode steps.
+
+Why: at 3-64 rows the one-row GEMVs cost a multiply per weight per row, torch's tinygemm grows with the row
+count and cuBLAS on 16-bit copies reads four times the INT4 bytes. Here the weight tile is the MMA's tall
+operand ([weight rows, K] x x^T [K, x rows], x rows padded to 16-64), so the row count costs tensor-core time,
+which is nearly free at these sizes, and each weight is read and decoded once.
+
+How the layouts line up without a shuffle: the MMA takes each thread's operand values as 8 consecutive K
+positions (`k_width` 8), and the kernel is free to choose which column each K position is, as long as weights
+and x agree. A thread loads whole 32-bit words (8 columns each) of its weight rows, decodes each word into its
+8 register values with a few bit operations (lop3 into 16-bit floats, one fma with the group's scale and
+minimum), and reads the same 8 columns of x as one vector. The columns a thread needs are contiguous in
+memory because the matrix is kept in `quant.CudaMmaInt4Weight`'s plain column order, with the nibbles inside a
+word in the order the decoding emits (`NIBBLE_OF_COLUMN`). Gluon checks that every layout conversion is a
+relabelling (`assert_trivial`).
+
+Weights are decoded to 16 bits as q * scale + minimum in one rounding (scale and minimum rounded to 16 bits,
+as torch's tinygemm does), the products are accumulated in float32 over a K split, and
+`triton_matmul._splitk_epilogue_kernel` sums the splits and applies 1 / rms, bias, SwiGLU and the residual.
+CUDA only (Gluon has no interpreter); `available()` says whether the installed Triton can build it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+try:  # Gluon is experimental: absent from older Triton, and its API moves between releases
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except Exception:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+    gl = None
+    mma_v2 = None
+
+# Nibble of a packed word that holds column 8 w + e (e = 0..7): the order in which `_DEQUANT_*` emits them
+# (output register j holds nibbles j and j + 4, low half first).
+NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def available() -> bool:
+    return gluon is not None and mma_v2 is not None and hasattr(gl, "DistributedLinearLayout")
+
+
+def _jit(fn: Any) -> Any:
+    return gluon.jit(fn) if gluon is not None else fn
+
+
+def _constexpr(value: Any) -> Any:
+    return gl.constexpr(value) if gl is not None else value
+
+
+def _dequant_asm(magic: int, op: str) -> str:
+    """PTX decoding one word ($4, repeated in $5..$11) with its group's scale and minimum ($12: scale in the low
+    16 bits, minimum in the high) into 8 16-bit weights ($0..$3): (magic | q) - magic is q exactly, then one
+    fma with the scale and the minimum."""
+    lines = [
+        "{", ".reg .b32 m, s2, z2, t;", f"mov.b32 m, {magic:#x};",
+        "prmt.b32 s2, $12, $12, 0x1010;", "prmt.b32 z2, $12, $12, 0x3232;",
+    ]  # fmt: skip
+    for j in range(4):
+        source = "$4"
+        if j:
+            lines.append(f"shr.u32 t, $4, {4 * j};")
+            source = "t"
+        lines.append(f"lop3.b32 t, {source}, 0x000F000F, m, 0xEA;")
+        lines += [f"sub.rn.{op} t, t, m;", f"fma.rn.{op} ${j}, t, s2, z2;"]
+    return "\n".join([*lines, "}"])
+
+
+_DEQUANT_BF16 = _constexpr(_dequant_asm(0x43004300, "bf16x2"))  # 128 + q as bfloat16
+_DEQUANT_F16 = _constexpr(_dequant_asm(0x64006400, "f16x2"))  # 1024 + q as float16
+_DEQUANT_CONSTRAINTS = _constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
+
+
+def _log2(n: int) -> int:
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"expected a power of two, got {n}")
+    return n.bit_length() - 1
+
+
+@functools.cache
+def layouts(warps: int, row_tiles: int, block_k: int, rows_x: int) -> dict[str, Any]:
+    """The register layouts of a program with `warps` warps, each multiplying `row_tiles` tiles of 16 weight
+    rows, over `block_k` columns per step, with `rows_x` rows of x (16-64).
+
+    W3: the decoded words [weight rows, block_k / 8 words, 8 columns]; a thread holds block_k / 32 consecutive
+    words of two rows (r and r + 8) of each of its row tiles. XL: the x tile [rows_x, block_k] as it is loaded
+    (a thread holds 8 * block_k / 32 consecutive columns of rows_x / 8 rows). Both become the MMA's operands
+    by reshapes and permutations only (see `_int4_mma_kernel`)."""
+    words_per_thread = _log2(block_k // 32)
+    word_bases = [[0, 1 << i, 0] for i in range(words_per_thread)]
+    row_repeats = [[16 * warps << i, 0, 0] for i in range(_log2(row_tiles))]
+    words3 = gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], *word_bases, [8, 0, 0], *row_repeats],
+        lane_bases=[[0, 1 << words_per_thread, 0], [0, 2 << words_per_thread, 0], [1, 0, 0], [2, 0, 0], [4, 0, 0]],
+        warp_bases=[[16 << i, 0, 0] for i in range(_log2(warps))],
+        block_bases=[],
+        shape=[16 * warps * row_tiles, block_k // 8, 8],
+    )
+    x_tile = gl.DistributedLinearLayout(
+        reg_bases=[
+            [0, 1],
+            [0, 2],
+            [0, 4],
+            *([0, 8 << i] for i in range(words_per_thread)),
+            *([8 << i, 0] for i in range(_log2(rows_x // 8))),
+        ],  # fmt: skip
+        lane_bases=[[0, 8 << words_per_thread], [0, 16 << words_per_thread], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[0, 0]] * _log2(warps),
+        block_bases=[],
+        shape=[rows_x, block_k],
+    )
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
+    return {"W3": words3, "XL": x_tile, "MMA": mma}
+
+
+@_jit
+def _dequantize(words, pairs, W3: gl.constexpr, F16: gl.constexpr):
+    """[BN, BK / 8] words and their groups' (scale, minimum) pairs -> [BN, BK / 8, 8] 16-bit weights in the
+    words' column order."""
+    zeros = gl.full([words.shape[0], words.shape[1], 8], 0, gl.int32, layout=W3)
+    w3 = gl.expand_dims(words, 2) + zeros
+    p3 = gl.expand_dims(pairs, 2) + zeros
+    if F16:
+        w = gl.inline_asm_elementwise(_DEQUANT_F16, _DEQUANT_CONSTRAINTS, [w3, p3], dtype=gl.float16, is_pure=True,
+                                      pack=8)  # fmt: skip
+    else:
+        w = gl.inline_asm_elementwise(_DEQUANT_BF16, _DEQUANT_CONSTRAINTS, [w3, p3], dtype=gl.bfloat16,
+                                      is_pure=True, pack=8)  # fmt: skip
+    return w
+
+
+@_jit
+def _in_k_order(t, ROWS: gl.constexpr, BK: gl.constexpr):
+    """[ROWS, BK / 8 words, 8] (or [ROWS, BK] in that order) -> [ROWS, BK] in the MMA's K order: word w of a
+    thread's 4 lanes x BK / 32 words becomes K block (w % (BK / 32)) * 4 + w // (BK / 32)."""
+    return gl.reshape(gl.permute(gl.reshape(t, [ROWS, 4, BK // 32, 8]), [0, 2, 1, 3]), [ROWS, BK])
+
+
+@_jit
+def _wait_for_previous_kernel(PDL: gl.constexpr):
+    """Programmatic dependent launch as triton_pdl's: 2 lets the next kernel launch before the wait, 1 after."""
+    if PDL == 2:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+    if PDL:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    if PDL == 1:
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+
+
+@_jit
+def _int4_mma_kernel(
+    x_ptr,
+    w_ptr,
+    sm_ptr,
+    nw_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    tiles_per_split,
+    stride_xm,
+    stride_w,
+    stride_g,
+    GROUP: gl.constexpr,
+    NORM: gl.constexpr,
+    BN: gl.constexpr,
+    BK: gl.constexpr,
+    MP: gl.constexpr,
+    W3: gl.constexpr,
+    XL: gl.constexpr,
+    MMA: gl.constexpr,
+    PDL: gl.constexpr,
+):
+    """Program (n, s, m): weight rows n * BN.. times x rows m * MP.. over K tiles s * tiles_per_split.. (of BK
+    columns); the float32 partial product goes to part[s, x rows, weight rows]. With NORM, x is multiplied by
+    the norm gain here and by 1 / rms in the epilogue. N % BN == 0 and K % BK == 0 (the launcher checks)."""
+    LW: gl.constexpr = gl.SliceLayout(2, W3)
+    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
+    LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
+    dt: gl.constexpr = x_ptr.dtype.element_ty
+    F16: gl.constexpr = dt == gl.float16
+    n_tiles = K // BK
+    t_begin = gl.program_id(1) * tiles_per_split
+    t_end = gl.minimum(n_tiles, t_begin + tiles_per_split)
+    rows = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
+    words_at = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LW))
+    w_tile = w_ptr + rows[:, None] * stride_w + words_at[None, :]
+    g_tile = sm_ptr + rows[:, None] * stride_g + (words_at[None, :] * 8) // GROUP
+    xm = gl.program_id(2) * MP + gl.arange(0, MP, layout=gl.SliceLayout(1, XL))
+    xc = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
+    x_tile = x_ptr + xm[:, None] * stride_xm + xc[None, :]
+    x_mask = (xm < M)[:, None]
+    # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait.
+    words = gl.load(w_tile + t_begin * (BK // 8))
+    pairs = gl.load(g_tile + t_begin * (BK // GROUP))
+    _wait_for_previous_kernel(PDL)
+    x = gl.load(x_tile + t_begin * BK, mask=x_mask, other=0.0)
+    acc = gl.zeros([BN, MP], gl.float32, layout=MMA)
+    for t in range(t_begin, t_end):
+        cur_words = words
+        cur_pairs = pairs
+        cur_x = x
+        fetch = t + 1 < t_end
+        words = gl.load(w_tile + (t + 1) * (BK // 8), mask=fetch)
+        pairs = gl.load(g_tile + (t + 1) * (BK // GROUP), mask=fetch)
+        x = gl.load(x_tile + (t + 1) * BK, mask=x_mask & fetch, other=0.0)
+        if NORM:
+            gain = gl.load(nw_ptr + t * BK + xc)
+            cur_x = (cur_x.to(gl.float32) * gain.to(gl.float32)[None, :]).to(dt)
+        xt = gl.convert_layout(gl.permute(_in_k_order(cur_x, MP, BK), [1, 0]), LB, assert_trivial=True)
+        w = _in_k_order(_dequantize(cur_words, cur_pairs, W3, F16), BN, BK)
+        w = gl.convert_layout(w, LA, assert_trivial=True)
+        acc = mma_v2(w, xt, acc)
+    offs_n = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
+    offs_m = gl.program_id(2) * MP + gl.arange(0, MP, layout=gl.SliceLayout(0, MMA))
+    part = part_ptr + gl.program_id(1) * M * N + offs_m[None, :] * N + offs_n[:, None]
+    gl.store(part, acc, mask=(offs_m < M)[None, :])
