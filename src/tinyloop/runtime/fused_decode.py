@@ -378,10 +378,11 @@ class FusedDecoder:
         """The L2 window a graph of `batch` x `tokens` rows is captured with: the engine's for steps whose matmuls
         read the INT4 body themselves (decode-sized), none for those that go to cuBLAS (a prefill reads the INT4
         body once, to dequantize it, and its GEMMs read the 16-bit copies, which the window does not cover) or to
-        tinygemm (its repacks, which the window does not cover either). On the H200
+        tinygemm or the tensor-core INT4 kernel (their repacks, which the window does not cover either). On the H200
         this alone did not remove the prefill cost of L2 residency (still +3-7 % on a body that
         fits): the persisting share itself takes L2 from the GEMMs (see l2_residency.SHARE_OFF_DURING_PREFILL)."""
-        if self._rows_on_cublas(batch, tokens) or self._takes_tinygemm(batch, tokens):
+        repacked = self._takes_tinygemm(batch, tokens) or self._takes_mma_int4(batch, tokens)
+        if self._rows_on_cublas(batch, tokens) or repacked:
             return None
         return self.engine.l2_window
 
