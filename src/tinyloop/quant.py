@@ -180,8 +180,9 @@ MMA_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
 class CudaMmaInt4Weight:
     """An INT4 matrix for the tensor-core product of kernels/gluon_int4_mma.py (batched decode steps): `words`
     [out, in / 8] int32 in column order (word w holds columns 8 w..8 w + 7, column 8 w + e in nibble
-    MMA_NIBBLE_OF_COLUMN[e]) and `pairs` [out, in / G] int32, each group's scale (low 16 bits) and minimum
-    (high 16 bits) in `dtype`, so that the kernel decodes a weight as q * scale + minimum with one 16-bit rounding.
+    MMA_NIBBLE_OF_COLUMN[e]) and `pairs` [out, in / G] int32, each group's scale (low 16 bits) and zero =
+    minimum + 8 scale (high 16 bits) in `dtype`, so that the kernel decodes a weight as (q - 8) * scale + zero with
+    one 16-bit rounding (the centred zero is small, so rounding it costs less than rounding the minimum).
     As many bytes as the INT4 matrix. Made from an Int4Weight (plain or blocked) on its device (`from_int4`)."""
 
     words: torch.Tensor
@@ -207,8 +208,9 @@ class CudaMmaInt4Weight:
         for e, nibble in enumerate(MMA_NIBBLE_OF_COLUMN):
             words |= by_word[..., e] << (4 * nibble)
         words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-        low = w.scale.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
-        high = w.minimum.to(dtype).view(torch.int16).to(torch.int32) << 16
+        scale = w.scale.to(torch.float32)
+        low = scale.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
+        high = (w.minimum.to(torch.float32) + 8 * scale).to(dtype).view(torch.int16).to(torch.int32) << 16
         return cls(words.contiguous(), (low | high).contiguous(), w.group_size, dtype)
 
     @property
@@ -225,11 +227,11 @@ class CudaMmaInt4Weight:
         return ((self.words[..., None] >> shifts) & 0xF).flatten(-2)
 
     def dequantize(self) -> torch.Tensor:
-        """What the kernel multiplies: q * scale + minimum from the 16-bit scale and minimum, rounded to `dtype`."""
-        scale = self.pairs.to(torch.int16).view(self.dtype).to(torch.float32)
-        minimum = (self.pairs >> 16).to(torch.int16).view(self.dtype).to(torch.float32)
-        q = self.codes().to(torch.float32).unflatten(-1, (-1, self.group_size))
-        return (q * scale[..., None] + minimum[..., None]).flatten(-2).to(self.dtype)
+        """What the kernel multiplies: (q - 8) * scale + zero from the 16-bit scale and zero, rounded to `dtype`."""
+        scale = self.pairs.to(torch.int16).view(self.dtype).to(torch.float64)
+        zero = (self.pairs >> 16).to(torch.int16).view(self.dtype).to(torch.float64)
+        q = self.codes().to(torch.float64).unflatten(-1, (-1, self.group_size)) - 8
+        return (q * scale[..., None] + zero[..., None]).flatten(-2).to(self.dtype)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The tensor-core INT4 kernel's CPU-checkable parts: its decoding PTX (interpreted here line by line) turns a
-CudaMmaInt4Weight word into the 8 weights of 8 consecutive columns, as q * scale + minimum rounded once to 16
-bits; the copy keeps the INT4 codes and the kernel's tiles divide what the launcher gives it. The kernel itself
+CudaMmaInt4Weight word into the 8 weights of 8 consecutive columns, as (q - 8) * scale + zero rounded once to
+16 bits; the copy keeps the INT4 codes and the kernel's tiles divide what the launcher gives it. The kernel itself
 runs only on a GPU (Gluon has no interpreter): bench/int4_mma_rows.py checks it there against float32."""
 
 from __future__ import annotations
@@ -87,9 +87,10 @@ def test_copy_keeps_the_codes_and_rounds_scale_and_minimum_once(dtype: torch.dty
         copy = CudaMmaInt4Weight.from_int4(source, dtype)
         assert copy.shape == w.shape and copy.nbytes == w.packed.nbytes + 4 * w.scale.numel()
         assert torch.equal(copy.codes(), w.codes(w.packed).to(torch.int32))
-        s16, m16 = w.scale.to(dtype).double(), w.minimum.to(dtype).double()
-        q = w.codes(w.packed).double().unflatten(-1, (-1, 64))
-        assert torch.equal(copy.dequantize(), (q * s16[..., None] + m16[..., None]).flatten(-2).to(dtype))
+        s16 = w.scale.to(dtype).double()
+        z16 = (w.minimum.float() + 8 * w.scale.float()).to(dtype).double()
+        q = w.codes(w.packed).double().unflatten(-1, (-1, 64)) - 8
+        assert torch.equal(copy.dequantize(), (q * s16[..., None] + z16[..., None]).flatten(-2).to(dtype))
         exact = w.dequantize(torch.float64)
         assert (copy.dequantize().double() - exact).abs().max() <= 0.02 * exact.abs().max()
 

@@ -12,13 +12,14 @@ and x agree. A thread loads whole 32-bit words (8 columns each) of its weight ro
 8 register values with a few bit operations (lop3 into 16-bit floats, one fma with the group's scale and
 minimum), and reads the same 8 columns of x as one vector. The columns a thread needs are contiguous in
 memory because the matrix is kept in `quant.CudaMmaInt4Weight`'s plain column order, with the nibbles inside a
-word in the order the decoding emits (`NIBBLE_OF_COLUMN`). Gluon checks that every layout conversion is a
+word in the order the decoding emits (`quant.MMA_NIBBLE_OF_COLUMN`). Gluon checks that every layout conversion is a
 relabelling (`assert_trivial`).
 
-Weights are decoded to 16 bits as q * scale + minimum in one rounding (scale and minimum rounded to 16 bits,
-as torch's tinygemm does), the products are accumulated in float32 over a K split, and
-`triton_matmul._splitk_epilogue_kernel` sums the splits and applies 1 / rms, bias, SwiGLU and the residual.
-CUDA only (Gluon has no interpreter); `available()` says whether the installed Triton can build it.
+Weights are decoded to 16 bits as (q - 8) * scale + zero in one rounding (scale and zero = minimum + 8 scale
+rounded to 16 bits, as torch's tinygemm does: the centred zero is small, so its rounding costs little), the
+products are accumulated in float32 over a K split, and `triton_matmul._splitk_epilogue_kernel` sums the
+splits and applies 1 / rms, bias, SwiGLU and the residual. CUDA only (Gluon has no interpreter); `available()`
+says whether the installed Triton can build it.
 """
 
 from __future__ import annotations
@@ -35,10 +36,6 @@ except Exception:  # pragma: no cover - depends on the installed Triton
     gl = None
     mma_v2 = None
 
-# Nibble of a packed word that holds column 8 w + e (e = 0..7): the order in which `_DEQUANT_*` emits them
-# (output register j holds nibbles j and j + 4, low half first).
-NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
-
 
 def available() -> bool:
     return gluon is not None and mma_v2 is not None and hasattr(gl, "DistributedLinearLayout")
@@ -52,12 +49,12 @@ def _constexpr(value: Any) -> Any:
     return gl.constexpr(value) if gl is not None else value
 
 
-def _dequant_asm(magic: int, op: str) -> str:
-    """PTX decoding one word ($4, repeated in $5..$11) with its group's scale and minimum ($12: scale in the low
-    16 bits, minimum in the high) into 8 16-bit weights ($0..$3): (magic | q) - magic is q exactly, then one
-    fma with the scale and the minimum."""
+def _dequant_asm(magic: int, centre: int, op: str) -> str:
+    """PTX decoding one word ($4, repeated in $5..$11) with its group's scale and zero ($12: scale in the low 16
+    bits, zero = minimum + 8 scale in the high) into 8 16-bit weights ($0..$3): (magic | q) - (magic + 8) is
+    q - 8 exactly, then one fma with the scale and the zero."""
     lines = [
-        "{", ".reg .b32 m, s2, z2, t;", f"mov.b32 m, {magic:#x};",
+        "{", ".reg .b32 m, c, s2, z2, t;", f"mov.b32 m, {magic:#x};", f"mov.b32 c, {centre:#x};",
         "prmt.b32 s2, $12, $12, 0x1010;", "prmt.b32 z2, $12, $12, 0x3232;",
     ]  # fmt: skip
     for j in range(4):
@@ -66,12 +63,12 @@ def _dequant_asm(magic: int, op: str) -> str:
             lines.append(f"shr.u32 t, $4, {4 * j};")
             source = "t"
         lines.append(f"lop3.b32 t, {source}, 0x000F000F, m, 0xEA;")
-        lines += [f"sub.rn.{op} t, t, m;", f"fma.rn.{op} ${j}, t, s2, z2;"]
+        lines += [f"sub.rn.{op} t, t, c;", f"fma.rn.{op} ${j}, t, s2, z2;"]
     return "\n".join([*lines, "}"])
 
 
-_DEQUANT_BF16 = _constexpr(_dequant_asm(0x43004300, "bf16x2"))  # 128 + q as bfloat16
-_DEQUANT_F16 = _constexpr(_dequant_asm(0x64006400, "f16x2"))  # 1024 + q as float16
+_DEQUANT_BF16 = _constexpr(_dequant_asm(0x43004300, 0x43084308, "bf16x2"))  # 128 + q, 136 as bfloat16
+_DEQUANT_F16 = _constexpr(_dequant_asm(0x64006400, 0x64086408, "f16x2"))  # 1024 + q, 1032 as float16
 _DEQUANT_CONSTRAINTS = _constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
 
 

@@ -196,14 +196,18 @@ class KernelPolicy:
 
     def mma_int4_tile(self, n: int, k: int, rows: int) -> tuple[int, int, int, int]:
         """(warps, row tiles of 16 weight rows per warp, BLOCK_K, x rows per program) of the tensor-core INT4
-        kernel. Untuned; the largest tiles that compile without spilling offline (sm_90a): 64 x rows only with
-        64 columns a step."""
+        kernel: the winners of bench/int4_mma_rows.py on an H100 (seed-407m's products, 2-64 rows): two row
+        tiles a warp for the large matrices from 8 rows, 256 columns a step for long rows below 8; 64 x rows
+        only with 64 columns a step (more spill, sm_90a)."""
         if (n, k, rows) in self.mma_int4_tiles:
             return self.mma_int4_tiles[(n, k, rows)]
         rows_x = max(16, 1 << (rows - 1).bit_length())
-        if rows_x > 32:
-            return (4, 1, 64, 64)
-        return (4, 1, 128, rows_x)
+        row_tiles = 2 if rows >= 8 and n * k >= 8 << 20 else 1
+        if rows_x == 64:
+            return (4, row_tiles, 64, 64)
+        if rows_x == 16 and rows < 8 and k >= 4096:
+            return (4, 1, 256, 16)
+        return (4, row_tiles, 128, rows_x)
 
     def gluon_tile(self, n: int, k: int, act: int, rows: int = 1) -> tuple[int, int, int, int, int]:
         """(weight rows per thread, lanes along rows, blocks per thread, warps along rows, warps along blocks)
