@@ -44,6 +44,7 @@ class RuntimeEnv:
     disable_gluon_gemv: bool
     disable_staged_gemv: bool
     disable_tinygemm: bool
+    disable_mma_int4: bool
     persistent_decode: bool
     disable_flash2_prefill: bool
     disable_l2_residency: bool
@@ -68,6 +69,7 @@ class RuntimeEnv:
             disable_gluon_gemv=_flag("TINYLOOP_DISABLE_GLUON_GEMV"),
             disable_staged_gemv=_flag("TINYLOOP_DISABLE_STAGED_GEMV"),
             disable_tinygemm=_flag("TINYLOOP_DISABLE_TINYGEMM"),
+            disable_mma_int4=_flag("TINYLOOP_DISABLE_MMA_INT4"),
             persistent_decode=_flag("TINYLOOP_PERSISTENT_DECODE"),
             disable_flash2_prefill=_flag("TINYLOOP_DISABLE_FLASH2_PREFILL"),
             disable_l2_residency=_flag("TINYLOOP_DISABLE_L2_RESIDENCY"),

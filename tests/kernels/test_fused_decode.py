@@ -10,11 +10,11 @@ import torch
 from helpers import interpreter_policy, max_rel_error, random_flat_weights
 from naive_reference import naive_forward
 from tinyloop.config import ArchConfig
-from tinyloop.kernels import cuda_ops
+from tinyloop.kernels import cuda_ops, gluon_int4_mma
 from tinyloop.kernels.cuda_ops import CudaKernels
 from tinyloop.kernels.policy import PersistentMlpTile
 from tinyloop.model.weights import ModelWeights
-from tinyloop.quant import BlockedInt4Weight, Int4Weight, quantize_int4
+from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, Int4Weight, quantize_int4
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.fused_decode import FusedDecoder
 
@@ -224,6 +224,37 @@ def test_batched_steps_that_tinygemm_takes_make_no_16bit_copies(monkeypatch: pyt
     assert decoder.dense_copies(first, 1) == {} and decoder.dense_copies(last, 1) == {}
     assert decoder.dense_copy_bytes == 0 and decoder._graph_window(last, 1) is None
     assert decoder.dense_copies(last + 1, 1) and decoder.dense_copies(1, 20)
+
+
+def test_batched_steps_that_the_tensor_core_kernel_takes_use_its_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps of `mma_int4_min_rows` to `mma_int4_max_rows` sequences (16-bit compute, `mma_int4` on) multiply the
+    tensor-core INT4 copies of the matrices its tile divides, made once and counted, and make no 16-bit copies;
+    a matrix the tile does not divide keeps its INT4 kernels; other row counts are not taken."""
+    _, _, fused, _ = build("pre-concat-zeros-gqa", blocked=True)
+    decoder = fused.decoder
+    assert isinstance(decoder, FusedDecoder)
+    lo, hi = 8, 16
+    shapes = sorted({tuple(m.shape) for m in decoder._int4_matrices})
+    untaken = shapes[-1]
+    columns = {shape: 64 if shape != untaken else 192 for shape in shapes}  # 192 divides no row: not taken
+    tiles = {(n, k, rows): (1, 1, columns[(n, k)], 16) for n, k in shapes for rows in range(lo, hi + 1)}
+    policy = dataclasses.replace(fused.kernel_policy, mma_int4=True, mma_int4_min_rows=lo, mma_int4_max_rows=hi,
+                                 mma_int4_tiles=tiles)  # fmt: skip
+    decoder.kernels = CudaKernels(policy)
+    monkeypatch.setattr(decoder.engine, "dtype", torch.bfloat16)
+    monkeypatch.setattr(gluon_int4_mma, "available", lambda: True)
+    monkeypatch.setattr(decoder, "_tinygemm_fits", True)
+    weights = decoder.step_weights(lo, 1)
+    taken = [m for m in decoder._int4_matrices if tuple(m.shape) != untaken]
+    assert taken and set(weights) == {id(m) for m in taken}
+    assert all(isinstance(weights[id(m)], CudaMmaInt4Weight) and weights[id(m)].shape == m.shape for m in taken)
+    assert decoder.mma_int4_bytes == sum(w.nbytes for w in decoder._mma_int4.values()) > 0
+    assert decoder.dense_copies(lo, 1) == {} and decoder.dense_copy_bytes == 0
+    assert decoder.step_weights(hi, 1) == weights and decoder._graph_window(hi, 1) is None
+    assert decoder.mma_int4_weights(hi + 1, 1) == {} and decoder.mma_int4_weights(lo - 1, 1) == {}
+    assert decoder.mma_int4_weights(lo, 2) == {}  # a verification pass or prefill: never
+    decoder.release()
+    assert decoder.mma_int4_bytes == 0
 
 
 def test_graphs_of_cublas_sized_steps_take_no_l2_window() -> None:

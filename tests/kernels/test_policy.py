@@ -28,6 +28,7 @@ GPU_SWITCHES = {
     "TINYLOOP_DISABLE_GLUON_GEMV": ("gluon_gemv", "gluon_supported"),
     "TINYLOOP_DISABLE_STAGED_GEMV": ("staged_gemv", "staged_supported"),
     "TINYLOOP_DISABLE_TINYGEMM": ("tinygemm", "tinygemm_supported"),
+    "TINYLOOP_DISABLE_MMA_INT4": ("mma_int4", "mma_int4_supported"),
 }
 ALL_SWITCHES = [*PLAIN_SWITCHES, *GPU_SWITCHES]
 
@@ -58,7 +59,7 @@ def test_each_gpu_switch_is_read(name: str, clean_env: pytest.MonkeyPatch) -> No
         clean_env.setattr(cuda_backend, other[1], lambda: True)
     clean_env.setattr(cuda_backend, "triton_available", lambda: True)
     on = cuda_backend.kernel_policy(RuntimeEnv.read())
-    assert on.pdl and on.gluon_gemv and on.staged_gemv and on.tinygemm
+    assert on.pdl and on.gluon_gemv and on.staged_gemv and on.tinygemm and on.mma_int4
     clean_env.setenv(name, "1")
     off = cuda_backend.kernel_policy(RuntimeEnv.read())
     field = GPU_SWITCHES[name][0]

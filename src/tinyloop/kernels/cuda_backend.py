@@ -56,6 +56,7 @@ def kernel_policy(env: RuntimeEnv) -> KernelPolicy:
         sdpa_cudnn=env.use_cudnn_sdpa,
         persistent_decode=triton_ok and env.persistent_decode,
         tinygemm=not env.disable_tinygemm and tinygemm_supported(),
+        mma_int4=triton_ok and not env.disable_mma_int4 and mma_int4_supported(),
     )
 
 
@@ -80,6 +81,14 @@ def tinygemm_supported() -> bool:
     if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 8:
         return False
     return hasattr(torch.ops.aten, "_weight_int4pack_mm") and hasattr(torch.ops.aten, "_convert_weight_to_int4pack")
+
+
+def mma_int4_supported() -> bool:
+    """The tensor-core INT4 kernel of batched steps: a Hopper-or-later GPU (its decoding uses sm_90's 16-bit
+    vector subtraction) and a Triton with the Gluon layouts it is written in."""
+    from tinyloop.kernels import gluon_int4_mma
+
+    return _kernel_module_usable(9, gluon_int4_mma, "the tensor-core INT4 kernel", "no Gluon MMA in this Triton")
 
 
 def pdl_supported() -> bool:

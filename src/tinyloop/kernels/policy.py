@@ -104,11 +104,15 @@ class KernelPolicy:
     dense_copy_min_rows: int = 3
     # Batched one-token steps of `mma_int4_min_rows` to `mma_int4_max_rows` sequences in 16-bit compute multiply
     # the tensor-core INT4 kernel (kernels/gluon_int4_mma.py) on a copy of the INT4 matrices in its layout
-    # (quant.CudaMmaInt4Weight, as many bytes again), made on the first such step, where `mma_int4` is on; it
-    # takes those steps before tinygemm and the 16-bit copies. Off until measured on a GPU.
+    # (quant.CudaMmaInt4Weight, as many bytes again), made on the first such step, where `mma_int4` is on (Hopper);
+    # it takes those steps before tinygemm and the 16-bit copies. H100, seed-407m's four layer products with the
+    # `mma_int4_tile` rules (bench/int4_mma_rows.py; docs/BENCHMARKS.md): 8 rows 48.1 us a layer against 55.6 on
+    # tinygemm and 59.1 on the copies, 16 rows 51.5 against 59.5 on the copies; at 4 rows even with tinygemm,
+    # at 32-64 behind the copies (64 rows: 79 against 61). A batch-8 step 2.545 ms against 2.649
+    # (same call, before these tile rules: one row tile a warp, 128 columns a step).
     mma_int4: bool = False
-    mma_int4_min_rows: int = 3
-    mma_int4_max_rows: int = 64
+    mma_int4_min_rows: int = 8
+    mma_int4_max_rows: int = 16
     # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
     splitk_programs: int = 264
     # Cached attention (keys per block, warps) for heads of at least 128 and for narrower heads.
@@ -196,13 +200,14 @@ class KernelPolicy:
 
     def mma_int4_tile(self, n: int, k: int, rows: int) -> tuple[int, int, int, int]:
         """(warps, row tiles of 16 weight rows per warp, BLOCK_K, x rows per program) of the tensor-core INT4
-        kernel: the winners of bench/int4_mma_rows.py on an H100 (seed-407m's products, 2-64 rows): two row
-        tiles a warp for the large matrices from 8 rows, 256 columns a step for long rows below 8; 64 x rows
-        only with 64 columns a step (more spill, sm_90a)."""
+        kernel: the winners of bench/int4_mma_rows.py on an H100 (seed-407m's products, 2-64 rows, 264 programs):
+        two row tiles a warp for tall matrices (gate / up) from 8 rows and long rows (down) from 16, 256 columns a
+        step for long rows below 8; 64 x rows only with 64 columns a step (more spill, sm_90a). QKV's tiles were
+        not swept (one row tile a warp)."""
         if (n, k, rows) in self.mma_int4_tiles:
             return self.mma_int4_tiles[(n, k, rows)]
         rows_x = max(16, 1 << (rows - 1).bit_length())
-        row_tiles = 2 if rows >= 8 and n * k >= 8 << 20 else 1
+        row_tiles = 2 if (n >= 8192 and rows >= 8) or (k >= 4096 and rows >= 16) else 1
         if rows_x == 64:
             return (4, row_tiles, 64, 64)
         if rows_x == 16 and rows < 8 and k >= 4096:

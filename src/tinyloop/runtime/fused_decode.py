@@ -290,7 +290,7 @@ class FusedDecoder:
         A single sequence's few-token steps (speculative verification) keep the INT4 kernels: their weights
         are the one-token step's, not rounded to 16 bits, so verification agrees with plain decoding."""
         policy = self.kernels.policy
-        taken = self._takes_tinygemm(batch, tokens) or self._takes_mma_int4(batch, tokens)
+        taken = self._takes_tinygemm(batch, tokens) or bool(self.mma_int4_weights(batch, tokens))
         batched = batch >= policy.dense_copy_min_rows and not taken
         many = batched or policy.int4_rows_on_cublas(batch * tokens)
         if not (policy.dense_copy_min_rows and many and self._dense_copies_fit and policy.cublas_16bit):
