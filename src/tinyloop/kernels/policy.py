@@ -107,9 +107,9 @@ class KernelPolicy:
     # (quant.CudaMmaInt4Weight, as many bytes again), made on the first such step, where `mma_int4` is on (Hopper);
     # it takes those steps before tinygemm and the 16-bit copies. H100, seed-407m's four layer products with the
     # `mma_int4_tile` rules (bench/int4_mma_rows.py; docs/BENCHMARKS.md): 8 rows 48.1 us a layer against 55.6 on
-    # tinygemm and 59.1 on the copies, 16 rows 51.5 against 59.5 on the copies; at 4 rows even with tinygemm,
-    # at 32-64 behind the copies (64 rows: 79 against 61). A batch-8 step 2.545 ms against 2.649
-    # (same call, before these tile rules: one row tile a warp, 128 columns a step).
+    # tinygemm and 59.1 on the copies, 16 rows 51.5 against 59.5 on the copies; behind tinygemm at 4 rows (47.9
+    # against 42.7) and the copies at 32-64 (64 rows: 79 against 61). A batch-8 step 2.545 ms against 2.649 (same
+    # call, before these tile rules: one row tile a warp, 128 columns a step).
     mma_int4: bool = False
     mma_int4_min_rows: int = 8
     mma_int4_max_rows: int = 16
