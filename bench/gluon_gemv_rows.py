@@ -54,6 +54,21 @@ def copies_us(fn: Callable[[int], object]) -> float:
     return graph_us(lambda: fn(next(copies)), COPIES)
 
 
+def fastest_accurate(tiles: dict, max_rel_err: float) -> str | None:
+    """The key of the fastest measured tile whose error is below `max_rel_err`; None where none is."""
+    ok = {t: v for t, v in tiles.items() if "us" in v and v["rel_err"] < max_rel_err}
+    return min(ok, key=lambda t: ok[t]["us"]) if ok else None
+
+
+def print_row(shape: str, rows: int, row: dict) -> None:
+    print(shape, rows, json.dumps({k: v for k, v in row.items() if k != "tiles"}), flush=True)
+
+
+def write_json(path: str, result: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
 def reference(x: torch.Tensor, dense: torch.Tensor, nw: torch.Tensor | None, act: int,
               residual: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     h = x.float()
@@ -153,19 +168,16 @@ def main() -> None:
                                          "spills": getattr(compiled, "n_spills", None)}  # fmt: skip
                 except Exception as exc:  # noqa: BLE001
                     row["tiles"][key] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            ok = {t: v for t, v in row["tiles"].items() if "us" in v and v["rel_err"] < 0.01}
-            if ok:
-                best = min(ok, key=lambda t: ok[t]["us"])
-                row.update(best_tile=best, best_us=ok[best]["us"], policy_tile=",".join(map(str, tiles[0])))
+            best = fastest_accurate(row["tiles"], 0.01)
+            if best is not None:
+                row.update(best_tile=best, best_us=row["tiles"][best]["us"], policy_tile=",".join(map(str, tiles[0])))
                 result["best_tiles"][f"{n_out},{k},{act},{m}"] = [int(v) for v in best.split(",")]
             entry[m] = row
-            print(name, m, json.dumps({k_: v for k_, v in row.items() if k_ != "tiles"}), flush=True)
+            print_row(name, m, row)
         result["shapes"][name] = entry
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)
     result["seconds"] = round(time.perf_counter() - t_start, 1)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 
 import torch
 import triton
-from gluon_gemv_rows import COPIES, SHAPES, copies_us, reference
+from gluon_gemv_rows import COPIES, SHAPES, copies_us, fastest_accurate, print_row, reference, write_json
 
 from tinyloop.env import RuntimeEnv
 from tinyloop.kernels import cuda_ops
@@ -88,20 +87,16 @@ def main() -> None:
                     pol = dataclasses.replace(policy, mma_int4_tiles={(n, k, m): tile}, splitk_programs=programs)
                     key = ",".join(map(str, (*tile, programs)))
                     measure(key, fused(pol, mma), row=row["tiles"])
-            ok = {t: v for t, v in row["tiles"].items() if "us" in v and v["rel_err"] < 0.02}
-            if ok:
-                best = min(ok, key=lambda t: ok[t]["us"])
-                row["best_tile"] = best
-                row["best_us"] = ok[best]["us"]
+            best = fastest_accurate(row["tiles"], 0.02)
+            if best is not None:
+                row.update(best_tile=best, best_us=row["tiles"][best]["us"])
                 result["best"][f"{n},{k},{m}"] = [int(v) for v in best.split(",")]
             entry[m] = row
-            print(name, m, json.dumps({k_: v for k_, v in row.items() if k_ != "tiles"}), flush=True)
+            print_row(name, m, row)
         result["shapes"][name] = entry
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.out, result)
     result["seconds"] = round(time.perf_counter() - t_start, 1)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

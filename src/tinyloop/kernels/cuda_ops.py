@@ -34,7 +34,9 @@ from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, CudaTinygemmWei
 __all__ = ["ACT_GELU", "ACT_NONE", "ACT_SWIGLU", "CudaKernels", "KernelPolicy", "ProductWeight"]
 
 # What a product multiplies: a model weight, or a decoder's tinygemm repack of an INT4 one.
-ProductWeight = Weight | CudaTinygemmWeight | CudaMmaInt4Weight
+# What cuBLAS-sized (unfused) products multiply, and what any product may.
+UnfusedWeight = Weight | CudaTinygemmWeight
+ProductWeight = UnfusedWeight | CudaMmaInt4Weight
 
 # Gluon kernels that failed to compile with the installed Triton ("gluon", "staged"): a fact about this
 # process's Triton, recorded once so that later launches go straight to the Triton kernel.
@@ -188,8 +190,12 @@ def fused_linear(
         out = torch.empty((M, N), dtype=dtype, device=x.device)
     if isinstance(w, CudaTinygemmWeight):
         return _linear_unfused(policy, x, w, norm_weight, eps, bias, act, residual, out)
+    res = residual if residual is not None else out
+    nw = norm_weight if norm_weight is not None else out
+    b = bias if bias is not None else out
+    epilogue = dict(NORM=norm_weight is not None, BIAS=bias is not None, ACT=act, RESIDUAL=residual is not None)
     if isinstance(w, CudaMmaInt4Weight):
-        return _mma_int4_linear(policy, x, w, norm_weight, eps, bias, act, residual, out)
+        return _mma_int4_linear(policy, x, w, nw, eps, epilogue, out, res, b)
     blocked = isinstance(w, BlockedInt4Weight)
     if blocked:
         many_rows = policy.int4_rows_on_cublas(M)
@@ -198,13 +204,7 @@ def fused_linear(
     if many_rows and policy.cublas_16bit:
         return _linear_unfused(policy, x, w, norm_weight, eps, bias, act, residual, out)
     words, scale, minimum, group, is_int4 = _weight_parts(w)
-    res = residual if residual is not None else out
-    nw = norm_weight if norm_weight is not None else out
-    b = bias if bias is not None else out
-    flags = dict(
-        GROUP=group, INT4=is_int4, NORM=norm_weight is not None, BIAS=bias is not None, ACT=act,
-        RESIDUAL=residual is not None,
-    )  # fmt: skip
+    flags = dict(GROUP=group, INT4=is_int4, **epilogue)
     if isinstance(w, BlockedInt4Weight):
         del flags["INT4"]
         if _gluon_applies(policy, x, w, M) and _gemv_gluon_rows(policy, x, w, out, res, nw, b, eps, flags):
@@ -250,16 +250,32 @@ def _splitk_linear(
     block_n, block_m, block_k, warps = policy.splitk_tile(N, K, M)
     block_k = max(block_k, w.group_size)
     n_tiles, m_tiles, k_tiles = triton.cdiv(n_total, block_n), triton.cdiv(M, block_m), triton.cdiv(K, block_k)
-    splits = max(1, policy.splitk_programs // (n_tiles * m_tiles))
-    k_per_split = triton.cdiv(k_tiles, min(k_tiles, splits)) * block_k
-    splits = triton.cdiv(K, k_per_split)
+    splits, tiles_per_split = _k_splits(policy, k_tiles, n_tiles * m_tiles)
     part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
     words = w.packed.view(torch.int32)
-    args = (x, words, w.scale, w.minimum, nw, part, M, n_total, K, k_per_split, x.stride(0), K // 8, K // w.group_size)
+    args = (x, words, w.scale, w.minimum, nw, part, M, n_total, K, tiles_per_split * block_k, x.stride(0), K // 8,
+            K // w.group_size)  # fmt: skip
     _splitk_blocked_int4_kernel[(n_tiles, splits, m_tiles)](
         *args, GROUP=w.group_size, BLOCK=w.block, NORM=flags["NORM"], IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **policy.pdl_options(),
     )  # fmt: skip
+    return _sum_splits(policy, x, part, eps, flags, out, res, b)
+
+
+def _k_splits(policy: KernelPolicy, k_tiles: int, programs_per_split: int) -> tuple[int, int]:
+    """(splits, K tiles per split) of a split-K product: K is split until about `policy.splitk_programs`
+    programs run, and no split is empty."""
+    wanted = min(k_tiles, max(1, policy.splitk_programs // programs_per_split))
+    tiles_per_split = triton.cdiv(k_tiles, wanted)
+    return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split
+
+
+def _sum_splits(policy: KernelPolicy, x: torch.Tensor, part: torch.Tensor, eps: float, flags: dict,
+                out: torch.Tensor, res: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """`_splitk_epilogue_kernel` over float32 partial products part[split, rows, features]: their sum, times
+    1 / rms(x) with NORM, then bias, activation and residual, into `out`."""
+    splits, M = part.shape[0], x.shape[0]
+    N, K = out.shape[1], x.shape[1]
     block = min(1024, triton.next_power_of_2(N))
     _splitk_epilogue_kernel[(M, triton.cdiv(N, block))](
         x, part, out, res, b, M, N, K, splits, eps, x.stride(0), out.stride(0), res.stride(0), NORM=flags["NORM"],
@@ -281,44 +297,31 @@ def _mma_int4_linear(
     policy: KernelPolicy,
     x: torch.Tensor,
     w: CudaMmaInt4Weight,
-    norm_weight: torch.Tensor | None,
+    nw: torch.Tensor,
     eps: float,
-    bias: torch.Tensor | None,
-    act: int,
-    residual: torch.Tensor | None,
+    flags: dict,
     out: torch.Tensor,
+    res: torch.Tensor,
+    b: torch.Tensor,
 ) -> torch.Tensor:
-    """Float32 partial products over K splits on tensor cores (`gluon_int4_mma`), `_splitk_epilogue_kernel` to
-    finish (1 / rms, bias, SwiGLU, residual)."""
+    """Float32 partial products over K splits on tensor cores (`gluon_int4_mma`), `_sum_splits` to finish."""
     if x.dtype != w.dtype:
         raise ValueError(f"the tensor-core INT4 copy was made for {w.dtype} compute, got {x.dtype} rows")
     M, K = x.shape
-    n_total, N = w.shape[0], out.shape[1]
+    n_total = w.shape[0]
     warps, row_tiles, block_k, rows_x = policy.mma_int4_tile(n_total, K, M)
     block_n = 16 * warps * row_tiles
     if not mma_int4_applies(policy, w, M):
         raise ValueError(f"the tensor-core INT4 tile ({block_n} rows x {block_k} columns) does not divide {w.shape}")
-    n_tiles, m_tiles, k_tiles = n_total // block_n, triton.cdiv(M, rows_x), K // block_k
-    splits = min(k_tiles, max(1, policy.splitk_programs // (n_tiles * m_tiles)))
-    tiles_per_split = triton.cdiv(k_tiles, splits)
-    splits = triton.cdiv(k_tiles, tiles_per_split)
+    n_tiles, m_tiles = n_total // block_n, triton.cdiv(M, rows_x)
+    splits, tiles_per_split = _k_splits(policy, K // block_k, n_tiles * m_tiles)
     part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
-    norm = norm_weight is not None
-    nw = norm_weight if norm_weight is not None else x
-    res = residual if residual is not None else out
-    b = bias if bias is not None else out
     gluon_int4_mma._int4_mma_kernel[(n_tiles, splits, m_tiles)](
         x, w.words, w.pairs, nw, part, M, n_total, K, tiles_per_split, x.stride(0), K // 8, K // w.group_size,
-        GROUP=w.group_size, NORM=norm, BN=block_n, BK=block_k, MP=rows_x,
+        GROUP=w.group_size, NORM=flags["NORM"], BN=block_n, BK=block_k, MP=rows_x,
         **gluon_int4_mma.layouts(warps, row_tiles, block_k, rows_x), num_warps=warps, **policy.pdl_options(),
     )  # fmt: skip
-    block = min(1024, triton.next_power_of_2(N))
-    _splitk_epilogue_kernel[(M, triton.cdiv(N, block))](
-        x, part, out, res, b, M, N, K, splits, eps, x.stride(0), out.stride(0), res.stride(0), NORM=norm,
-        BIAS=bias is not None, ACT=act, RESIDUAL=residual is not None, BLOCK=block, num_warps=4,
-        **policy.pdl_options(),
-    )  # fmt: skip
-    return out
+    return _sum_splits(policy, x, part, eps, flags, out, res, b)
 
 
 def dequantize_int4(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
@@ -346,7 +349,7 @@ def _dense_weight(w: Weight, dtype: torch.dtype) -> torch.Tensor:
 def _linear_unfused(
     policy: KernelPolicy,
     x: torch.Tensor,
-    w: ProductWeight,
+    w: UnfusedWeight,
     norm_weight: torch.Tensor | None,
     eps: float,
     bias: torch.Tensor | None,
@@ -381,7 +384,7 @@ def _linear_unfused(
 
 
 def _product(
-    h: torch.Tensor, w: ProductWeight, b: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor | None
+    h: torch.Tensor, w: UnfusedWeight, b: torch.Tensor | None, residual: torch.Tensor | None, out: torch.Tensor | None
 ) -> torch.Tensor:
     """h @ w.T (+ b) (+ residual: only without b), accumulated in float32 and rounded once, into `out` (or a
     new tensor): cuBLAS on the weight in h's dtype (INT4 dequantized into scratch). A tinygemm weight's
@@ -394,8 +397,6 @@ def _product(
         if addend is None:
             return y
         return torch.add(addend, y, out=out) if out is not None else y.add_(addend)
-    if isinstance(w, CudaMmaInt4Weight):
-        w = w.dequantize()
     if out is None and residual is not None:
         out = torch.empty((h.shape[0], w.shape[0]), dtype=h.dtype, device=h.device)
     dense = _dense_weight(w, h.dtype)

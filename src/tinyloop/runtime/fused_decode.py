@@ -123,6 +123,8 @@ class FusedDecoder:
         self.tinygemm_bytes = 0  # counted in vram_usage_mb
         # id(INT4 matrix) -> it in the tensor-core INT4 kernel's layout, made by the first batched step it takes.
         self._mma_int4: dict[int, CudaMmaInt4Weight] = {}
+        # batch size -> the copies its tile divides (a step's weights are looked up at least twice).
+        self._mma_int4_by_batch: dict[int, dict[int, CudaMmaInt4Weight]] = {}
         self.mma_int4_bytes = 0  # counted in vram_usage_mb
         self._qkv_bias: dict[int, torch.Tensor | None] = {}
         for lw in self._all_layers():
@@ -230,6 +232,7 @@ class FusedDecoder:
         self._tinygemm = {}
         self.tinygemm_bytes = 0
         self._mma_int4 = {}
+        self._mma_int4_by_batch = {}
         self.mma_int4_bytes = 0
 
     def step_weights(self, batch: int, tokens: int) -> Mapping[int, ProductWeight]:
@@ -256,8 +259,11 @@ class FusedDecoder:
             mib = self.mma_int4_bytes / 2**20
             info(f"batched steps: INT4 matrices copied for the tensor-core kernel ({mib:.0f} MiB)")
             self._mma_int4 = copies
-        policy = self.kernels.policy
-        return {key: c for key, c in self._mma_int4.items() if cuda_ops.mma_int4_applies(policy, c, batch)}
+        if batch not in self._mma_int4_by_batch:
+            policy = self.kernels.policy
+            taken = {key: c for key, c in self._mma_int4.items() if cuda_ops.mma_int4_applies(policy, c, batch)}
+            self._mma_int4_by_batch[batch] = taken
+        return self._mma_int4_by_batch[batch]
 
     def _takes_mma_int4(self, batch: int, tokens: int) -> bool:
         policy = self.kernels.policy
