@@ -174,6 +174,8 @@ class CudaTinygemmWeight:
 # Nibble of a CudaMmaInt4Weight word that holds column 8 w + e (e = 0..7): the order in which the decoding of
 # kernels/gluon_int4_mma.py emits 16-bit weights (output register j holds nibbles j and j + 4, low half first).
 MMA_NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)
+# Tiles of x rows a CudaMmaInt4Weight's counters cover: 64 rows in tiles of 8.
+MMA_MAX_X_TILES = 8
 
 
 @dataclass(frozen=True)
@@ -183,12 +185,16 @@ class CudaMmaInt4Weight:
     MMA_NIBBLE_OF_COLUMN[e]) and `pairs` [out, in / G] int32, each group's scale (low 16 bits) and zero =
     minimum + 8 scale (high 16 bits) in `dtype`, so that the kernel decodes a weight as (q - 8) * scale + zero with
     one 16-bit rounding (the centred zero is small, so rounding it costs less than rounding the minimum).
-    As many bytes as the INT4 matrix. Made from an Int4Weight (plain or blocked) on its device (`from_int4`)."""
+    As many bytes as the INT4 matrix. Made from an Int4Weight (plain or blocked) on its device (`from_int4`).
+    `arrivals`: the kernel's per-tile counters of finished K splits (zero between launches; the last program of
+    a tile resets its counter), enough for tiles of 16 weight rows and 8 x rows at up to 64 rows; launches on
+    one copy must not overlap (an engine runs its steps one at a time)."""
 
     words: torch.Tensor
     pairs: torch.Tensor
     group_size: int
     dtype: torch.dtype
+    arrivals: torch.Tensor
 
     @classmethod
     def supports(cls, w: Int4Weight, dtype: torch.dtype) -> bool:
@@ -211,7 +217,8 @@ class CudaMmaInt4Weight:
         scale = w.scale.to(torch.float32)
         low = scale.to(dtype).view(torch.int16).to(torch.int32) & 0xFFFF
         high = (w.minimum.to(torch.float32) + 8 * scale).to(dtype).view(torch.int16).to(torch.int32) << 16
-        return cls(words.contiguous(), (low | high).contiguous(), w.group_size, dtype)
+        arrivals = torch.zeros(n // 16 * MMA_MAX_X_TILES, dtype=torch.int32, device=codes.device)
+        return cls(words.contiguous(), (low | high).contiguous(), w.group_size, dtype, arrivals)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -219,7 +226,7 @@ class CudaMmaInt4Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.words.nbytes + self.pairs.nbytes
+        return self.words.nbytes + self.pairs.nbytes + self.arrivals.nbytes
 
     def codes(self) -> torch.Tensor:
         """The INT4 codes [out, in] in column order."""

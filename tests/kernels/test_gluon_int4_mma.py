@@ -13,7 +13,7 @@ import torch
 from tinyloop.kernels import gluon_int4_mma
 from tinyloop.kernels.cuda_ops import mma_int4_applies
 from tinyloop.kernels.policy import KernelPolicy
-from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, quantize_int4
+from tinyloop.quant import MMA_MAX_X_TILES, BlockedInt4Weight, CudaMmaInt4Weight, quantize_int4
 
 MASK32 = 0xFFFFFFFF
 
@@ -85,7 +85,9 @@ def test_copy_keeps_the_codes_and_rounds_scale_and_minimum_once(dtype: torch.dty
     w = quantize_int4(torch.randn(32, 256), 64)
     for source in (w, BlockedInt4Weight.from_int4(w)):
         copy = CudaMmaInt4Weight.from_int4(source, dtype)
-        assert copy.shape == w.shape and copy.nbytes == w.packed.nbytes + 4 * w.scale.numel()
+        counters = 32 // 16 * MMA_MAX_X_TILES  # a tile of 16 weight rows and 8 x rows each, zero between launches
+        assert torch.equal(copy.arrivals, torch.zeros(counters, dtype=torch.int32))
+        assert copy.shape == w.shape and copy.nbytes == w.packed.nbytes + 4 * w.scale.numel() + 4 * counters
         assert torch.equal(copy.codes(), w.codes(w.packed).to(torch.int32))
         s16 = w.scale.to(dtype).double()
         z16 = (w.minimum.float() + 8 * w.scale.float()).to(dtype).double()
@@ -115,4 +117,4 @@ def test_default_tiles_cover_the_row_counts_and_divide_the_model_shapes(rows: in
 def _shaped(n: int, k: int, group: int = 64) -> CudaMmaInt4Weight:
     """A copy of an n x k matrix (contents irrelevant: only its shape is read)."""
     words, pairs = torch.ones(n, k // 8, dtype=torch.int32), torch.ones(n, k // group, dtype=torch.int32)
-    return CudaMmaInt4Weight(words, pairs, group, torch.bfloat16)
+    return CudaMmaInt4Weight(words, pairs, group, torch.bfloat16, torch.zeros(n // 16 * MMA_MAX_X_TILES, dtype=torch.int32))

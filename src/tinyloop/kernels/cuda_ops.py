@@ -286,11 +286,11 @@ def _sum_splits(policy: KernelPolicy, x: torch.Tensor, part: torch.Tensor, eps: 
 
 
 def mma_int4_applies(policy: KernelPolicy, w: CudaMmaInt4Weight, rows: int) -> bool:
-    """Whether the tensor-core INT4 kernel's tile for `rows` rows divides w (out by its weight rows, in by its
-    columns per step, and its columns per step by the INT4 groups)."""
+    """Whether the tensor-core INT4 kernel's tile for `rows` rows divides w (out by its weight rows, each half
+    of it for a [gate; up] matrix, in by its columns per step, and its columns per step by the INT4 groups)."""
     n, k = w.shape
     warps, row_tiles, block_k, _ = policy.mma_int4_tile(n, k, rows)
-    return n % (16 * warps * row_tiles) == 0 and k % block_k == 0 and block_k % w.group_size == 0
+    return n % (32 * warps * row_tiles) == 0 and k % block_k == 0 and block_k % w.group_size == 0
 
 
 def _mma_int4_linear(
@@ -304,7 +304,8 @@ def _mma_int4_linear(
     res: torch.Tensor,
     b: torch.Tensor,
 ) -> torch.Tensor:
-    """Float32 partial products over K splits on tensor cores (`gluon_int4_mma`), `_sum_splits` to finish."""
+    """One launch of `gluon_int4_mma`: float32 partial products over K splits on tensor cores, each output tile
+    finished (split sum and epilogue) by its last program."""
     if x.dtype != w.dtype:
         raise ValueError(f"the tensor-core INT4 copy was made for {w.dtype} compute, got {x.dtype} rows")
     M, K = x.shape
@@ -314,14 +315,17 @@ def _mma_int4_linear(
     if not mma_int4_applies(policy, w, M):
         raise ValueError(f"the tensor-core INT4 tile ({block_n} rows x {block_k} columns) does not divide {w.shape}")
     n_tiles, m_tiles = n_total // block_n, triton.cdiv(M, rows_x)
+    if n_tiles * m_tiles > w.arrivals.numel():
+        raise ValueError(f"{m_tiles} tiles of {rows_x} x rows exceed the copy's counters ({w.arrivals.numel()})")
     splits, tiles_per_split = _k_splits(policy, K // block_k, n_tiles * m_tiles)
     part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
     gluon_int4_mma._int4_mma_kernel[(n_tiles, splits, m_tiles)](
-        x, w.words, w.pairs, nw, part, M, n_total, K, tiles_per_split, x.stride(0), K // 8, K // w.group_size,
-        GROUP=w.group_size, NORM=flags["NORM"], BN=block_n, BK=block_k, MP=rows_x,
+        x, w.words, w.pairs, nw, part, w.arrivals, out, res, b, M, n_total, K, tiles_per_split, eps, x.stride(0),
+        K // 8, K // w.group_size, out.stride(0), res.stride(0), GROUP=w.group_size, NORM=flags["NORM"],
+        BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"], BN=block_n, BK=block_k, MP=rows_x,
         **gluon_int4_mma.layouts(warps, row_tiles, block_k, rows_x), num_warps=warps, **policy.pdl_options(),
     )  # fmt: skip
-    return _sum_splits(policy, x, part, eps, flags, out, res, b)
+    return out
 
 
 def dequantize_int4(w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:

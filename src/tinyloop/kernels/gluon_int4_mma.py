@@ -17,9 +17,11 @@ relabelling (`assert_trivial`).
 
 Weights are decoded to 16 bits as (q - 8) * scale + zero in one rounding (scale and zero = minimum + 8 scale
 rounded to 16 bits, as torch's tinygemm does: the centred zero is small, so its rounding costs little), the
-products are accumulated in float32 over a K split, and `triton_matmul._splitk_epilogue_kernel` sums the
-splits and applies 1 / rms, bias, SwiGLU and the residual. CUDA only (Gluon has no interpreter); `available()`
-says whether the installed Triton can build it.
+products are accumulated in float32 over a K split, and the last program to finish a tile of output features
+sums its splits and applies 1 / rms, bias, SwiGLU and the residual (`_finish_tile`): each program counts its
+arrival on the tile's counter in `CudaMmaInt4Weight.arrivals` and the last one resets it, so a product is one
+launch, where a separate epilogue kernel would add a dependent launch to every product of a step. CUDA only
+(Gluon has no interpreter); `available()` says whether the installed Triton can build it.
 """
 
 from __future__ import annotations
@@ -111,7 +113,8 @@ def layouts(warps: int, row_tiles: int, block_k: int, rows_x: int) -> dict[str, 
         shape=[rows_x, block_k],
     )
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
-    return {"W3": words3, "XL": x_tile, "MMA": mma}
+    finish = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8], warps_per_cta=[warps, 1], order=[1, 0])
+    return {"W3": words3, "XL": x_tile, "MMA": mma, "FIN": finish}
 
 
 @_jit
@@ -157,26 +160,39 @@ def _int4_mma_kernel(
     sm_ptr,
     nw_ptr,
     part_ptr,
+    arrivals_ptr,
+    out_ptr,
+    res_ptr,
+    b_ptr,
     M,
     N,
     K,
     tiles_per_split,
+    eps,
     stride_xm,
     stride_w,
     stride_g,
+    stride_om,
+    stride_rm,
     GROUP: gl.constexpr,
     NORM: gl.constexpr,
+    BIAS: gl.constexpr,
+    ACT: gl.constexpr,
+    RESIDUAL: gl.constexpr,
     BN: gl.constexpr,
     BK: gl.constexpr,
     MP: gl.constexpr,
     W3: gl.constexpr,
     XL: gl.constexpr,
     MMA: gl.constexpr,
+    FIN: gl.constexpr,
     PDL: gl.constexpr,
 ):
     """Program (n, s, m): weight rows n * BN.. times x rows m * MP.. over K tiles s * tiles_per_split.. (of BK
-    columns); the float32 partial product goes to part[s, x rows, weight rows]. With NORM, x is multiplied by
-    the norm gain here and by 1 / rms in the epilogue. N % BN == 0 and K % BK == 0 (the launcher checks)."""
+    columns); the float32 partial product goes to part[s, x rows, weight rows], and the tile's last program
+    finishes it into `out`. With NORM, x is multiplied by the norm gain here and by 1 / rms when finishing.
+    With ACT 1 (SwiGLU) the weight holds [gate; up] rows and a tile's features need both halves' programs.
+    N % BN == 0, (N / 2) % BN == 0 for SwiGLU, and K % BK == 0 (the launcher checks)."""
     LW: gl.constexpr = gl.SliceLayout(2, W3)
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
     LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
@@ -218,3 +234,60 @@ def _int4_mma_kernel(
     offs_m = gl.program_id(2) * MP + gl.arange(0, MP, layout=gl.SliceLayout(0, MMA))
     part = part_ptr + gl.program_id(1) * M * N + offs_m[None, :] * N + offs_n[:, None]
     gl.store(part, acc, mask=(offs_m < M)[None, :])
+    features = N // 2 if ACT == 1 else N
+    feature_tiles = features // BN
+    tile = gl.program_id(0) % feature_tiles
+    arrivals = arrivals_ptr + gl.program_id(2) * feature_tiles + tile
+    expected = gl.num_programs(1) * (2 if ACT == 1 else 1)
+    # Every thread's partial stores precede the arrival (the barrier), which releases them at GPU scope; the
+    # last arrival acquires the others' (CUTLASS's split-K semaphore does the same).
+    gl.thread_barrier()
+    if gl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == expected - 1:
+        gl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
+        _finish_tile(x_ptr, part_ptr, out_ptr, res_ptr, b_ptr, M, N, K, features, gl.num_programs(1), eps, stride_xm,
+                     stride_om, stride_rm, tile * BN, gl.program_id(2) * MP, NORM, BIAS, ACT, RESIDUAL, BN, MP,
+                     FIN)  # fmt: skip
+
+
+@_jit
+def _finish_tile(x_ptr, part_ptr, out_ptr, res_ptr, b_ptr, M, N, K, features, splits, eps, stride_xm, stride_om,
+                 stride_rm, feature0, m0, NORM: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr,
+                 RESIDUAL: gl.constexpr, BN: gl.constexpr, MP: gl.constexpr, FIN: gl.constexpr):  # fmt: skip
+    """out[m0.., feature0..] = the splits' partial products summed in split order, times 1 / rms(x) with NORM,
+    then bias, activation and residual, rounded like `triton_matmul._epilogue` (the product to the output
+    dtype first, then the activation, then the residual sum). Partials are read past L1 (.cg): other SMs
+    wrote them."""
+    offs_m = m0 + gl.arange(0, MP, layout=gl.SliceLayout(1, FIN))
+    offs_f = feature0 + gl.arange(0, BN, layout=gl.SliceLayout(0, FIN))
+    m_mask = offs_m < M
+    mask = m_mask[:, None] & (offs_f < features)[None, :]
+    acc = gl.zeros([MP, BN], gl.float32, layout=FIN)
+    acc_up = gl.zeros([MP, BN], gl.float32, layout=FIN)
+    at = part_ptr + offs_m[:, None] * N + offs_f[None, :]
+    for s in range(splits):
+        acc += gl.load(at + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+        if ACT == 1:
+            acc_up += gl.load(at + s * M * N + features, mask=mask, other=0.0, cache_modifier=".cg")
+    if NORM:
+        squares = gl.zeros([MP], gl.float32, layout=gl.SliceLayout(1, FIN))
+        for k0 in range(0, K, BN):
+            cols = k0 + gl.arange(0, BN, layout=gl.SliceLayout(0, FIN))
+            xs = gl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_mask[:, None] & (cols < K)[None, :],
+                         other=0.0).to(gl.float32)  # fmt: skip
+            squares += gl.sum(xs * xs, axis=1)
+        rstd = 1.0 / gl.sqrt(squares / K + eps)
+        acc = acc * rstd[:, None]
+        acc_up = acc_up * rstd[:, None]
+    dt: gl.constexpr = out_ptr.dtype.element_ty
+    if BIAS:
+        acc = acc + gl.load(b_ptr + offs_f, mask=offs_f < features, other=0.0).to(gl.float32)[None, :]
+    y = acc.to(dt).to(gl.float32)
+    if ACT == 1:
+        up = acc_up.to(dt).to(gl.float32)
+        y = (y * (1.0 / (1.0 + gl.exp(-y)))).to(dt).to(gl.float32) * up
+    elif ACT == 2:
+        y = 0.5 * y * (1.0 + gl.erf(y * 0.7071067811865476))
+    if RESIDUAL:
+        r = gl.load(res_ptr + offs_m[:, None] * stride_rm + offs_f[None, :], mask=mask, other=0.0).to(gl.float32)
+        y = y.to(dt).to(gl.float32) + r
+    gl.store(out_ptr + offs_m[:, None] * stride_om + offs_f[None, :], y.to(dt), mask=mask)
