@@ -160,6 +160,7 @@ def _int4_mma_kernel(
     sm_ptr,
     nw_ptr,
     part_ptr,
+    squares_ptr,
     arrivals_ptr,
     out_ptr,
     res_ptr,
@@ -190,7 +191,8 @@ def _int4_mma_kernel(
 ):
     """Program (n, s, m): weight rows n * BN.. times x rows m * MP.. over K tiles s * tiles_per_split.. (of BK
     columns); the float32 partial product goes to part[s, x rows, weight rows], and the tile's last program
-    finishes it into `out`. With NORM, x is multiplied by the norm gain here and by 1 / rms when finishing.
+    finishes it into `out`. With NORM, x is multiplied by the norm gain here and by 1 / rms when finishing, from
+    the sums of squares of x over each split (squares[s, x rows], the same from every tile's programs).
     With ACT 1 (SwiGLU) the weight holds [gate; up] rows and a tile's features need both halves' programs.
     N % BN == 0, (N / 2) % BN == 0 for SwiGLU, and K % BK == 0 (the launcher checks)."""
     LW: gl.constexpr = gl.SliceLayout(2, W3)
@@ -215,6 +217,7 @@ def _int4_mma_kernel(
     _wait_for_previous_kernel(PDL)
     x = gl.load(x_tile + t_begin * BK, mask=x_mask, other=0.0)
     acc = gl.zeros([BN, MP], gl.float32, layout=MMA)
+    squares = gl.zeros([MP], gl.float32, layout=gl.SliceLayout(1, XL))
     for t in range(t_begin, t_end):
         cur_words = words
         cur_pairs = pairs
@@ -224,6 +227,8 @@ def _int4_mma_kernel(
         pairs = gl.load(g_tile + (t + 1) * (BK // GROUP), mask=fetch)
         x = gl.load(x_tile + (t + 1) * BK, mask=x_mask & fetch, other=0.0)
         if NORM:
+            x32 = cur_x.to(gl.float32)
+            squares += gl.sum(x32 * x32, axis=1)
             gain = gl.load(nw_ptr + t * BK + xc)
             cur_x = (cur_x.to(gl.float32) * gain.to(gl.float32)[None, :]).to(dt)
         xt = gl.convert_layout(gl.permute(_in_k_order(cur_x, MP, BK), [1, 0]), LB, assert_trivial=True)
@@ -234,6 +239,8 @@ def _int4_mma_kernel(
     offs_m = gl.program_id(2) * MP + gl.arange(0, MP, layout=gl.SliceLayout(0, MMA))
     part = part_ptr + gl.program_id(1) * M * N + offs_m[None, :] * N + offs_n[:, None]
     gl.store(part, acc, mask=(offs_m < M)[None, :])
+    if NORM:
+        gl.store(squares_ptr + gl.program_id(1) * M + xm, squares, mask=xm < M)
     features = N // 2 if ACT == 1 else N
     feature_tiles = features // BN
     tile = gl.program_id(0) % feature_tiles
@@ -244,13 +251,13 @@ def _int4_mma_kernel(
     gl.thread_barrier()
     if gl.atomic_add(arrivals, 1, sem="acq_rel", scope="gpu") == expected - 1:
         gl.atomic_xchg(arrivals, 0, sem="relaxed", scope="gpu")
-        _finish_tile(x_ptr, part_ptr, out_ptr, res_ptr, b_ptr, M, N, K, features, gl.num_programs(1), eps, stride_xm,
+        _finish_tile(part_ptr, squares_ptr, out_ptr, res_ptr, b_ptr, M, N, K, features, gl.num_programs(1), eps,
                      stride_om, stride_rm, tile * BN, gl.program_id(2) * MP, NORM, BIAS, ACT, RESIDUAL, BN, MP,
                      FIN)  # fmt: skip
 
 
 @_jit
-def _finish_tile(x_ptr, part_ptr, out_ptr, res_ptr, b_ptr, M, N, K, features, splits, eps, stride_xm, stride_om,
+def _finish_tile(part_ptr, squares_ptr, out_ptr, res_ptr, b_ptr, M, N, K, features, splits, eps, stride_om,
                  stride_rm, feature0, m0, NORM: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr,
                  RESIDUAL: gl.constexpr, BN: gl.constexpr, MP: gl.constexpr, FIN: gl.constexpr):  # fmt: skip
     """out[m0.., feature0..] = the splits' partial products summed in split order, times 1 / rms(x) with NORM,
@@ -263,18 +270,15 @@ def _finish_tile(x_ptr, part_ptr, out_ptr, res_ptr, b_ptr, M, N, K, features, sp
     mask = m_mask[:, None] & (offs_f < features)[None, :]
     acc = gl.zeros([MP, BN], gl.float32, layout=FIN)
     acc_up = gl.zeros([MP, BN], gl.float32, layout=FIN)
+    squares = gl.zeros([MP], gl.float32, layout=gl.SliceLayout(1, FIN))
     at = part_ptr + offs_m[:, None] * N + offs_f[None, :]
     for s in range(splits):
         acc += gl.load(at + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
         if ACT == 1:
             acc_up += gl.load(at + s * M * N + features, mask=mask, other=0.0, cache_modifier=".cg")
+        if NORM:
+            squares += gl.load(squares_ptr + s * M + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg")
     if NORM:
-        squares = gl.zeros([MP], gl.float32, layout=gl.SliceLayout(1, FIN))
-        for k0 in range(0, K, BN):
-            cols = k0 + gl.arange(0, BN, layout=gl.SliceLayout(0, FIN))
-            xs = gl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :], mask=m_mask[:, None] & (cols < K)[None, :],
-                         other=0.0).to(gl.float32)  # fmt: skip
-            squares += gl.sum(xs * xs, axis=1)
         rstd = 1.0 / gl.sqrt(squares / K + eps)
         acc = acc * rstd[:, None]
         acc_up = acc_up * rstd[:, None]
