@@ -3,7 +3,7 @@ decode steps multiply today: cuBLAS on a 16-bit copy of the weight and torch's t
 through the same launcher, with the epilogues each path runs). seed-407m's four layer products (the Ouro-1.4B
 shape has the same four), weights streamed from DRAM (16 copies per shape cycled inside one CUDA graph),
 bfloat16 activations, relative error against float32 of the dequantized INT4 weight. Each row count also tries
-a few tiles (`KernelPolicy.mma_int4_tiles`) and split counts (`splitk_programs`). Device only.
+a few tiles (`KernelPolicy.mma_int4_tiles`) and split counts (`mma_int4_programs`). Device only.
 
     PYTHONPATH=src python bench/int4_mma_rows.py --out F.json [--rows 3 4 8 16 32 64] [--budget-s 240]
 """
@@ -23,7 +23,7 @@ from tinyloop.kernels import cuda_ops
 from tinyloop.kernels.cuda_backend import kernel_policy
 from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, CudaTinygemmWeight, quantize_int4
 
-SPLIT_PROGRAMS = (264, 528)
+SPLIT_PROGRAMS = (264, 528, 1056)
 
 
 def tile_candidates(rows: int) -> list[tuple[int, int, int, int]]:
@@ -84,7 +84,7 @@ def main() -> None:
                     if time.perf_counter() > deadline:
                         row["budget_exhausted"] = True
                         break
-                    pol = dataclasses.replace(policy, mma_int4_tiles={(n, k, m): tile}, splitk_programs=programs)
+                    pol = dataclasses.replace(policy, mma_int4_tiles={(n, k, m): tile}, mma_int4_programs=programs)
                     key = ",".join(map(str, (*tile, programs)))
                     measure(key, fused(pol, mma), row=row["tiles"])
             best = fastest_accurate(row["tiles"], 0.02)

@@ -117,4 +117,5 @@ def test_default_tiles_cover_the_row_counts_and_divide_the_model_shapes(rows: in
 def _shaped(n: int, k: int, group: int = 64) -> CudaMmaInt4Weight:
     """A copy of an n x k matrix (contents irrelevant: only its shape is read)."""
     words, pairs = torch.ones(n, k // 8, dtype=torch.int32), torch.ones(n, k // group, dtype=torch.int32)
-    return CudaMmaInt4Weight(words, pairs, group, torch.bfloat16, torch.zeros(n // 16 * MMA_MAX_X_TILES, dtype=torch.int32))
+    arrivals = torch.zeros(n // 16 * MMA_MAX_X_TILES, dtype=torch.int32)
+    return CudaMmaInt4Weight(words, pairs, group, torch.bfloat16, arrivals)

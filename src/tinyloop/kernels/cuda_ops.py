@@ -250,7 +250,7 @@ def _splitk_linear(
     block_n, block_m, block_k, warps = policy.splitk_tile(N, K, M)
     block_k = max(block_k, w.group_size)
     n_tiles, m_tiles, k_tiles = triton.cdiv(n_total, block_n), triton.cdiv(M, block_m), triton.cdiv(K, block_k)
-    splits, tiles_per_split = _k_splits(policy, k_tiles, n_tiles * m_tiles)
+    splits, tiles_per_split = _k_splits(policy.splitk_programs, k_tiles, n_tiles * m_tiles)
     part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
     words = w.packed.view(torch.int32)
     args = (x, words, w.scale, w.minimum, nw, part, M, n_total, K, tiles_per_split * block_k, x.stride(0), K // 8,
@@ -262,10 +262,10 @@ def _splitk_linear(
     return _sum_splits(policy, x, part, eps, flags, out, res, b)
 
 
-def _k_splits(policy: KernelPolicy, k_tiles: int, programs_per_split: int) -> tuple[int, int]:
-    """(splits, K tiles per split) of a split-K product: K is split until about `policy.splitk_programs`
-    programs run, and no split is empty."""
-    wanted = min(k_tiles, max(1, policy.splitk_programs // programs_per_split))
+def _k_splits(programs: int, k_tiles: int, programs_per_split: int) -> tuple[int, int]:
+    """(splits, K tiles per split) of a split-K product: K is split until about `programs` programs run, and no
+    split is empty."""
+    wanted = min(k_tiles, max(1, programs // programs_per_split))
     tiles_per_split = triton.cdiv(k_tiles, wanted)
     return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split
 
@@ -317,7 +317,7 @@ def _mma_int4_linear(
     n_tiles, m_tiles = n_total // block_n, triton.cdiv(M, rows_x)
     if n_tiles * m_tiles > w.arrivals.numel():
         raise ValueError(f"{m_tiles} tiles of {rows_x} x rows exceed the copy's counters ({w.arrivals.numel()})")
-    splits, tiles_per_split = _k_splits(policy, K // block_k, n_tiles * m_tiles)
+    splits, tiles_per_split = _k_splits(policy.mma_int4_programs, K // block_k, n_tiles * m_tiles)
     part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
     squares = torch.empty((splits, M), dtype=torch.float32, device=x.device) if flags["NORM"] else part
     gluon_int4_mma._int4_mma_kernel[(n_tiles, splits, m_tiles)](

@@ -106,13 +106,17 @@ class KernelPolicy:
     # the tensor-core INT4 kernel (kernels/gluon_int4_mma.py) on a copy of the INT4 matrices in its layout
     # (quant.CudaMmaInt4Weight, as many bytes again), made on the first such step, where `mma_int4` is on (Hopper);
     # it takes those steps before tinygemm and the 16-bit copies. H100, seed-407m's four layer products with the
-    # `mma_int4_tile` rules (bench/int4_mma_rows.py; docs/BENCHMARKS.md): 8 rows 48.1 us a layer against 55.6 on
-    # tinygemm and 59.1 on the copies, 16 rows 51.5 against 59.5 on the copies; behind tinygemm at 4 rows (47.9
-    # against 42.7) and the copies at 32-64 (64 rows: 79 against 61). A batch-8 step 2.545 ms against 2.649 (same
-    # call, before these tile rules: one row tile a warp, 128 columns a step).
+    # `mma_int4_tile` rules (bench/int4_mma_rows.py; docs/BENCHMARKS.md): 8 rows 39.5 us a layer against 54.6 on
+    # tinygemm and 57.7 on the copies, 16 rows 46.5 against 58.7 on the copies; behind tinygemm at 4 rows (46.5
+    # against 40.0) and the copies at 32 (66.2 against 58.8). End to end a batch-4 step took 2.611 ms on it
+    # against 1.937 on tinygemm, and a batch-32 step 3.916 against 3.539 on the copies (same call).
     mma_int4: bool = False
     mma_int4_min_rows: int = 8
     mma_int4_max_rows: int = 16
+    # The tensor-core INT4 kernel splits K until about this many programs run (four per SM of an H100): on an
+    # H100 a seed-407m step of 8 rows took 2.035 ms against 2.236 at 264 programs, 16 rows 2.573 against 2.714
+    # (the Ouro shape 8 rows 5.606 against 5.860, 16 rows 7.011 against 6.954; same call).
+    mma_int4_programs: int = 528
     # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
     splitk_programs: int = 264
     # Cached attention (keys per block, warps) for heads of at least 128 and for narrower heads.
