@@ -111,6 +111,8 @@ def test_default_tiles_cover_the_row_counts_and_divide_the_model_shapes(rows: in
     for n, k in ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (32000, 2048), (49152, 2048)):
         assert mma_int4_applies(policy, _shaped(n, k), rows), (n, k)
     assert not mma_int4_applies(policy, _shaped(40, 128), rows)
+    # 192 rows hold three 64-row tiles but not two halves of whole tiles (a [gate; up] matrix's features).
+    assert not mma_int4_applies(policy, _shaped(192, 2048), rows)
     assert not mma_int4_applies(policy, _shaped(2048, 2048, group=256), rows)
 
 
