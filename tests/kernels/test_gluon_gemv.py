@@ -92,12 +92,12 @@ def test_dispatch_order(monkeypatch: pytest.MonkeyPatch, staged_on: bool, staged
     policy = KernelPolicy(staged_gemv=staged_on, gluon_gemv=gluon_on)
     monkeypatch.setattr(cuda_ops, "_gemv_staged", lambda *a: calls.append("staged") or staged_runs)
     monkeypatch.setattr(cuda_ops, "_gemv_gluon", lambda *a: calls.append("gluon") or True)
-    ran = cuda_ops._gemv_gluon_rows(policy, torch.randn(1, 64), *[None] * 6, {})
+    ran = cuda_ops._gemv_gluon_rows(policy, torch.randn(1, 64), None, None)
     assert calls == expected
     assert ran == ((staged_on and staged_runs) or gluon_on)
 
     calls.clear()
-    assert cuda_ops._gemv_gluon_rows(policy, torch.randn(2, 64), *[None] * 6, {}) == gluon_on
+    assert cuda_ops._gemv_gluon_rows(policy, torch.randn(2, 64), None, None) == gluon_on
     assert calls == (["gluon"] if gluon_on else [])  # the staged GEMV is one row's only
 
 

@@ -8,6 +8,7 @@ or CPU tensors under TRITON_INTERPRET=1, which is how the CPU test suite checks 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,13 +44,27 @@ ProductWeight = UnfusedWeight | CudaMmaInt4Weight
 _UNBUILDABLE: set[str] = set()
 
 
-def _gemv_gluon(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: torch.Tensor,
-                nw: torch.Tensor, b: torch.Tensor, eps: float, flags: dict) -> bool:  # fmt: skip
+@dataclass(frozen=True)
+class _Epilogue:
+    """What a fused product does around its multiply and where it writes: x's rms norm with `norm_weight`,
+    `bias`, the activation and the `residual` sum, into `out`. An absent tensor is `out` (a valid pointer the
+    kernel does not read); `flags` holds the kernels' NORM, BIAS, ACT and RESIDUAL switches."""
+
+    out: torch.Tensor
+    residual: torch.Tensor
+    norm_weight: torch.Tensor
+    bias: torch.Tensor
+    eps: float
+    flags: dict[str, Any]
+
+
+def _gemv_gluon(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep: _Epilogue) -> bool:
     """Launches the Gluon GEMV; False (once, after saying why) where this Triton's Gluon cannot build it."""
     from triton.compiler.errors import CompilationError
 
     from tinyloop.kernels.gluon_gemv import PRMT_HIGH_BYTE, _gemv_int4_gluon_kernel
 
+    out, res, nw, b, eps, flags = ep.out, ep.residual, ep.norm_weight, ep.bias, ep.eps, ep.flags
     (M, K), N = x.shape, out.shape[1]
     rows, lanes_rows, per_thread, warps_rows, warps_blocks = policy.gluon_tile(N, K, flags["ACT"], M)
     block_n = rows * lanes_rows * warps_rows
@@ -76,8 +91,7 @@ def _sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
-def _gemv_staged(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor, res: torch.Tensor,
-                 nw: torch.Tensor, b: torch.Tensor, eps: float, flags: dict) -> bool:  # fmt: skip
+def _gemv_staged(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep: _Epilogue) -> bool:
     """Launches the staged GEMV; False where its plan does not apply (or, once, where it does not build)."""
     from triton.compiler.errors import CompilationError
     from triton.experimental.gluon.language import NVMMASharedLayout
@@ -91,6 +105,7 @@ def _gemv_staged(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ou
         staged_plan,
     )
 
+    out, res, nw, b, eps, flags = ep.out, ep.residual, ep.norm_weight, ep.bias, ep.eps, ep.flags
     N, K = out.shape[1], x.shape[1]
     if not policy.staged_applies(N, K, flags["ACT"]):
         return False
@@ -123,20 +138,13 @@ def _gemv_staged(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ou
     return True
 
 
-def _gemv_gluon_rows(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, out: torch.Tensor,
-                     res: torch.Tensor, nw: torch.Tensor, b: torch.Tensor, eps: float,
-                     flags: dict) -> bool:  # fmt: skip
+def _gemv_gluon_rows(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep: _Epilogue) -> bool:
     """One row: the staged GEMV where it is on and its plan applies; else (and for a few rows) the plain Gluon
     one where it is on. False: neither ran (the Triton kernels then do)."""
     one_row = x.shape[0] == 1
-    if (
-        one_row
-        and policy.staged_gemv
-        and "staged" not in _UNBUILDABLE
-        and _gemv_staged(policy, x, w, out, res, nw, b, eps, flags)
-    ):
+    if one_row and policy.staged_gemv and "staged" not in _UNBUILDABLE and _gemv_staged(policy, x, w, ep):
         return True
-    return policy.gluon_gemv and "gluon" not in _UNBUILDABLE and _gemv_gluon(policy, x, w, out, res, nw, b, eps, flags)
+    return policy.gluon_gemv and "gluon" not in _UNBUILDABLE and _gemv_gluon(policy, x, w, ep)
 
 
 def _gluon_applies(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, M: int) -> bool:
@@ -194,8 +202,9 @@ def fused_linear(
     nw = norm_weight if norm_weight is not None else out
     b = bias if bias is not None else out
     epilogue = dict(NORM=norm_weight is not None, BIAS=bias is not None, ACT=act, RESIDUAL=residual is not None)
+    ep = _Epilogue(out, res, nw, b, eps, epilogue)
     if isinstance(w, CudaMmaInt4Weight):
-        return _mma_int4_linear(policy, x, w, nw, eps, epilogue, out, res, b)
+        return _mma_int4_linear(policy, x, w, ep)
     blocked = isinstance(w, BlockedInt4Weight)
     if blocked:
         many_rows = policy.int4_rows_on_cublas(M)
@@ -207,7 +216,7 @@ def fused_linear(
     flags = dict(GROUP=group, INT4=is_int4, **epilogue)
     if isinstance(w, BlockedInt4Weight):
         del flags["INT4"]
-        if _gluon_applies(policy, x, w, M) and _gemv_gluon_rows(policy, x, w, out, res, nw, b, eps, flags):
+        if _gluon_applies(policy, x, w, M) and _gemv_gluon_rows(policy, x, w, ep):
             return out
         if M <= policy.matvec_max_rows:
             args = (x, words, scale, minimum, out, res, nw, b, M, N, K, eps, x.stride(0), out.stride(0), res.stride(0))
@@ -217,7 +226,7 @@ def fused_linear(
                 BLOCK_B=block_b, num_warps=warps, **policy.register_cap(), **policy.pdl_options(),
             )  # fmt: skip
             return out
-        return _splitk_linear(policy, x, w, nw, eps, flags, out, res, b)
+        return _splitk_linear(policy, x, w, ep)
     # Plain-layout or 16-bit weights: the GEMV over up to matvec_max_rows rows at a time (more rows only
     # with cuBLAS switched off).
     for r0 in range(0, M, policy.matvec_max_rows):
@@ -232,34 +241,24 @@ def fused_linear(
     return out
 
 
-def _splitk_linear(
-    policy: KernelPolicy,
-    x: torch.Tensor,
-    w: BlockedInt4Weight,
-    nw: torch.Tensor,
-    eps: float,
-    flags: dict,
-    out: torch.Tensor,
-    res: torch.Tensor,
-    b: torch.Tensor,
-) -> torch.Tensor:
+def _splitk_linear(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep: _Epilogue) -> torch.Tensor:
     """Float32 partial products over K splits (`_splitk_blocked_int4_kernel`), `_splitk_epilogue_kernel` to
     finish."""
     M, K = x.shape
-    n_total, N = w.shape[0], out.shape[1]
+    n_total, N = w.shape[0], ep.out.shape[1]
     block_n, block_m, block_k, warps = policy.splitk_tile(N, K, M)
     block_k = max(block_k, w.group_size)
     n_tiles, m_tiles, k_tiles = triton.cdiv(n_total, block_n), triton.cdiv(M, block_m), triton.cdiv(K, block_k)
     splits, tiles_per_split = _k_splits(policy.splitk_programs, k_tiles, n_tiles * m_tiles)
     part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
     words = w.packed.view(torch.int32)
-    args = (x, words, w.scale, w.minimum, nw, part, M, n_total, K, tiles_per_split * block_k, x.stride(0), K // 8,
-            K // w.group_size)  # fmt: skip
+    args = (x, words, w.scale, w.minimum, ep.norm_weight, part, M, n_total, K, tiles_per_split * block_k,
+            x.stride(0), K // 8, K // w.group_size)  # fmt: skip
     _splitk_blocked_int4_kernel[(n_tiles, splits, m_tiles)](
-        *args, GROUP=w.group_size, BLOCK=w.block, NORM=flags["NORM"], IEEE=x.dtype == torch.float32,
+        *args, GROUP=w.group_size, BLOCK=w.block, NORM=ep.flags["NORM"], IEEE=x.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **policy.pdl_options(),
     )  # fmt: skip
-    return _sum_splits(policy, x, part, eps, flags, out, res, b)
+    return _sum_splits(policy, x, part, ep)
 
 
 def _k_splits(programs: int, k_tiles: int, programs_per_split: int) -> tuple[int, int]:
@@ -270,10 +269,10 @@ def _k_splits(programs: int, k_tiles: int, programs_per_split: int) -> tuple[int
     return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split
 
 
-def _sum_splits(policy: KernelPolicy, x: torch.Tensor, part: torch.Tensor, eps: float, flags: dict,
-                out: torch.Tensor, res: torch.Tensor, b: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def _sum_splits(policy: KernelPolicy, x: torch.Tensor, part: torch.Tensor, ep: _Epilogue) -> torch.Tensor:
     """`_splitk_epilogue_kernel` over float32 partial products part[split, rows, features]: their sum, times
     1 / rms(x) with NORM, then bias, activation and residual, into `out`."""
+    out, res, b, eps, flags = ep.out, ep.residual, ep.bias, ep.eps, ep.flags
     splits, M = part.shape[0], x.shape[0]
     N, K = out.shape[1], x.shape[1]
     block = min(1024, triton.next_power_of_2(N))
@@ -293,21 +292,12 @@ def mma_int4_applies(policy: KernelPolicy, w: CudaMmaInt4Weight, rows: int) -> b
     return n % (32 * warps * row_tiles) == 0 and k % block_k == 0 and block_k % w.group_size == 0
 
 
-def _mma_int4_linear(
-    policy: KernelPolicy,
-    x: torch.Tensor,
-    w: CudaMmaInt4Weight,
-    nw: torch.Tensor,
-    eps: float,
-    flags: dict,
-    out: torch.Tensor,
-    res: torch.Tensor,
-    b: torch.Tensor,
-) -> torch.Tensor:
+def _mma_int4_linear(policy: KernelPolicy, x: torch.Tensor, w: CudaMmaInt4Weight, ep: _Epilogue) -> torch.Tensor:
     """One launch of `gluon_int4_mma`: float32 partial products over K splits on tensor cores, each output tile
     finished (split sum and epilogue) by its last program."""
     if x.dtype != w.dtype:
         raise ValueError(f"the tensor-core INT4 copy was made for {w.dtype} compute, got {x.dtype} rows")
+    out, res, nw, b, eps, flags = ep.out, ep.residual, ep.norm_weight, ep.bias, ep.eps, ep.flags
     M, K = x.shape
     n_total = w.shape[0]
     warps, row_tiles, block_k, rows_x = policy.mma_int4_tile(n_total, K, M)
