@@ -30,6 +30,7 @@ from tinyloop.env import RuntimeEnv
 from tinyloop.kernels import cuda_ops
 from tinyloop.kernels.cuda_backend import kernel_policy
 from tinyloop.kernels.gluon_gemv import PRMT_HIGH_BYTE, _gemv_int4_gluon_kernel
+from tinyloop.kernels.policy import KernelPolicy
 from tinyloop.quant import BlockedInt4Weight, CudaTinygemmWeight, quantize_int4
 
 # name: (N, K, act, norm, residual) as the decode step calls them
@@ -54,10 +55,22 @@ def copies_us(fn: Callable[[int], object]) -> float:
     return graph_us(lambda: fn(next(copies)), COPIES)
 
 
-def fastest_accurate(tiles: dict, max_rel_err: float) -> str | None:
-    """The key of the fastest measured tile whose error is below `max_rel_err`; None where none is."""
-    ok = {t: v for t, v in tiles.items() if "us" in v and v["rel_err"] < max_rel_err}
-    return min(ok, key=lambda t: ok[t]["us"]) if ok else None
+def keep_best(row: dict, max_rel_err: float, table: dict, key: str) -> str | None:
+    """The fastest measured tile of row["tiles"] whose error is below `max_rel_err` (None where none is), noted
+    in the row (best_tile, best_us) and as table[key] (the tile's numbers)."""
+    ok = {t: v for t, v in row["tiles"].items() if "us" in v and v["rel_err"] < max_rel_err}
+    if not ok:
+        return None
+    best = min(ok, key=lambda t: ok[t]["us"])
+    row.update(best_tile=best, best_us=ok[best]["us"])
+    table[key] = [int(v) for v in best.split(",")]
+    return best
+
+
+def fused_product(policy: KernelPolicy, x: torch.Tensor, weights: list, nw: torch.Tensor | None, act: int,
+                  res: torch.Tensor | None) -> Callable[[int], torch.Tensor]:  # fmt: skip
+    """i -> `fused_linear` of x with weights[i] and the shape's norm, activation and residual."""
+    return lambda i: cuda_ops.fused_linear(policy, x, weights[i], norm_weight=nw, eps=1e-6, act=act, residual=res)
 
 
 def print_row(shape: str, rows: int, row: dict) -> None:
@@ -130,8 +143,7 @@ def main() -> None:
             row: dict = {"tiles": {}}
 
             def fused(pol, weights, x=x, res=res, nw=nw, act=act):  # type: ignore[no-untyped-def]
-                return lambda i: cuda_ops.fused_linear(pol, x, weights[i], norm_weight=nw, eps=1e-6, act=act,
-                                                       residual=res)  # fmt: skip
+                return fused_product(pol, x, weights, nw, act, res)
 
             def per_row(i, x=x, res=res, ws=ws, nw=nw, act=act):  # type: ignore[no-untyped-def]
                 for r in range(x.shape[0]):
@@ -168,10 +180,8 @@ def main() -> None:
                                          "spills": getattr(compiled, "n_spills", None)}  # fmt: skip
                 except Exception as exc:  # noqa: BLE001
                     row["tiles"][key] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-            best = fastest_accurate(row["tiles"], 0.01)
-            if best is not None:
-                row.update(best_tile=best, best_us=row["tiles"][best]["us"], policy_tile=",".join(map(str, tiles[0])))
-                result["best_tiles"][f"{n_out},{k},{act},{m}"] = [int(v) for v in best.split(",")]
+            if keep_best(row, 0.01, result["best_tiles"], f"{n_out},{k},{act},{m}") is not None:
+                row["policy_tile"] = ",".join(map(str, tiles[0]))
             entry[m] = row
             print_row(name, m, row)
         result["shapes"][name] = entry

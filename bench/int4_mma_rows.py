@@ -16,7 +16,7 @@ import time
 
 import torch
 import triton
-from gluon_gemv_rows import COPIES, SHAPES, copies_us, fastest_accurate, print_row, reference, write_json
+from gluon_gemv_rows import COPIES, SHAPES, copies_us, fused_product, keep_best, print_row, reference, write_json
 
 from tinyloop.env import RuntimeEnv
 from tinyloop.kernels import cuda_ops
@@ -65,8 +65,7 @@ def main() -> None:
             row: dict = {"tiles": {}}
 
             def fused(pol, weights, x=x, res=res, nw=nw, act=act):  # type: ignore[no-untyped-def]
-                return lambda i: cuda_ops.fused_linear(pol, x, weights[i], norm_weight=nw, eps=1e-6, act=act,
-                                                       residual=res)  # fmt: skip
+                return fused_product(pol, x, weights, nw, act, res)
 
             def measure(label: str, fn, row=row, ref=ref) -> None:  # type: ignore[no-untyped-def]
                 try:
@@ -87,10 +86,7 @@ def main() -> None:
                     pol = dataclasses.replace(policy, mma_int4_tiles={(n, k, m): tile}, mma_int4_programs=programs)
                     key = ",".join(map(str, (*tile, programs)))
                     measure(key, fused(pol, mma), row=row["tiles"])
-            best = fastest_accurate(row["tiles"], 0.02)
-            if best is not None:
-                row.update(best_tile=best, best_us=row["tiles"][best]["us"])
-                result["best"][f"{n},{k},{m}"] = [int(v) for v in best.split(",")]
+            keep_best(row, 0.02, result["best"], f"{n},{k},{m}")
             entry[m] = row
             print_row(name, m, row)
         result["shapes"][name] = entry
