@@ -29,14 +29,21 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from tinyloop.kernels import triton_matmul
+
 try:  # Gluon is experimental: absent from older Triton, and its API moves between releases
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._standard import _import_from_triton
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    # The split-K kernels' epilogue (bias, activation, residual, rounding), compiled as Gluon.
+    _epilogue = _import_from_triton(triton_matmul._epilogue)
 except Exception:  # pragma: no cover - depends on the installed Triton
     gluon = None
     gl = None
     mma_v2 = None
+    _epilogue = None
 
 
 def available() -> bool:
@@ -261,8 +268,7 @@ def _finish_tile(part_ptr, squares_ptr, out_ptr, res_ptr, b_ptr, M, N, K, featur
                  stride_rm, feature0, m0, NORM: gl.constexpr, BIAS: gl.constexpr, ACT: gl.constexpr,
                  RESIDUAL: gl.constexpr, BN: gl.constexpr, MP: gl.constexpr, FIN: gl.constexpr):  # fmt: skip
     """out[m0.., feature0..] = the splits' partial products summed in split order, times 1 / rms(x) with NORM,
-    then bias, activation and residual, rounded like `triton_matmul._epilogue` (the product to the output
-    dtype first, then the activation, then the residual sum). Partials are read past L1 (.cg): other SMs
+    then `triton_matmul._epilogue` (bias, activation, residual). Partials are read past L1 (.cg): other SMs
     wrote them."""
     offs_m = m0 + gl.arange(0, MP, layout=gl.SliceLayout(1, FIN))
     offs_f = feature0 + gl.arange(0, BN, layout=gl.SliceLayout(0, FIN))
@@ -282,16 +288,5 @@ def _finish_tile(part_ptr, squares_ptr, out_ptr, res_ptr, b_ptr, M, N, K, featur
         rstd = 1.0 / gl.sqrt(squares / K + eps)
         acc = acc * rstd[:, None]
         acc_up = acc_up * rstd[:, None]
-    dt: gl.constexpr = out_ptr.dtype.element_ty
-    if BIAS:
-        acc = acc + gl.load(b_ptr + offs_f, mask=offs_f < features, other=0.0).to(gl.float32)[None, :]
-    y = acc.to(dt).to(gl.float32)
-    if ACT == 1:
-        up = acc_up.to(dt).to(gl.float32)
-        y = (y * (1.0 / (1.0 + gl.exp(-y)))).to(dt).to(gl.float32) * up
-    elif ACT == 2:
-        y = 0.5 * y * (1.0 + gl.erf(y * 0.7071067811865476))
-    if RESIDUAL:
-        r = gl.load(res_ptr + offs_m[:, None] * stride_rm + offs_f[None, :], mask=mask, other=0.0).to(gl.float32)
-        y = y.to(dt).to(gl.float32) + r
-    gl.store(out_ptr + offs_m[:, None] * stride_om + offs_f[None, :], y.to(dt), mask=mask)
+    _epilogue(acc, acc_up, offs_m, m_mask, offs_f, offs_f < features, out_ptr, stride_om, res_ptr, stride_rm, b_ptr,
+              BIAS, ACT, RESIDUAL)  # fmt: skip
