@@ -106,10 +106,10 @@ class KernelPolicy:
     # the tensor-core INT4 kernel (kernels/gluon_int4_mma.py) on a copy of the INT4 matrices in its layout
     # (quant.CudaMmaInt4Weight, as many bytes again), made on the first such step, where `mma_int4` is on (Hopper);
     # it takes those steps before tinygemm and the 16-bit copies. H100, seed-407m's four layer products with the
-    # `mma_int4_tile` rules (bench/int4_mma_rows.py; docs/BENCHMARKS.md): 8 rows 39.5 us a layer against 54.6 on
-    # tinygemm and 57.7 on the copies, 16 rows 46.5 against 58.7 on the copies; behind tinygemm at 4 rows (46.5
-    # against 40.0) and the copies at 32 (66.2 against 58.8). End to end a batch-4 step took 1.961 ms on it
-    # against 1.890 on tinygemm, and a batch-32 step 4.361 against 3.528 on the copies (same call, 528 programs).
+    # `mma_int4_tile` rules and 528 programs (bench/int4_mma_rows.py; docs/BENCHMARKS.md): 8 rows 38.6 us a layer
+    # against 54.4 on tinygemm and 57.8 on the copies, 16 rows 46.9 against 58.2 on the copies; level with tinygemm
+    # at 4 rows (40.2 against 39.9) and behind the copies at 32 (76.5 against 59.1). End to end a batch-4 step
+    # took 1.961 ms on it against 1.890 on tinygemm, and a batch-32 step 4.361 against 3.528 on the copies.
     mma_int4: bool = False
     mma_int4_min_rows: int = 8
     mma_int4_max_rows: int = 16
