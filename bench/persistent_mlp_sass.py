@@ -39,16 +39,17 @@ NAMED = {"tickets": "TICKETS", "static": "STATIC", "x_prologue": "XPRO", "mask_i
          "h_float32": "H32", "prefetch_next": "PREFETCH"}  # fmt: skip
 
 
-def kernel_module() -> types.ModuleType:
-    """kernels/triton_persistent_mlp.py imported with stand-ins for the packages above it."""
-    for name, path in (("tinyloop", SRC / "tinyloop"), ("tinyloop.kernels", SRC / "tinyloop" / "kernels")):
-        if name not in sys.modules:
-            package = types.ModuleType(name)
+def kernel_module(name: str = "tinyloop.kernels.triton_persistent_mlp") -> types.ModuleType:
+    """A module of src/tinyloop/kernels (default: triton_persistent_mlp.py) imported with stand-ins for the
+    packages above it."""
+    for package_name, path in (("tinyloop", SRC / "tinyloop"), ("tinyloop.kernels", SRC / "tinyloop" / "kernels")):
+        if package_name not in sys.modules:
+            package = types.ModuleType(package_name)
             package.__path__ = [str(path)]
-            sys.modules[name] = package
+            sys.modules[package_name] = package
     import importlib
 
-    return importlib.import_module("tinyloop.kernels.triton_persistent_mlp")
+    return importlib.import_module(name)
 
 
 def parse_tile(spec: str) -> dict[str, Any]:

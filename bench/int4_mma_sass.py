@@ -1,0 +1,112 @@
+"""The tensor-core INT4 kernel (kernels/gluon_int4_mma.py) compiled offline for sm_90a (no GPU, no torch) with
+the kernel policy's tiles for seed-407m's four layer products: registers, shared memory, and SASS instructions
+per K step of a program — which says whether a product can stream its weights at the memory's rate.
+
+    <python with the GPU's Triton> bench/int4_mma_sass.py [--rows 8 16 32] [--json]
+
+A program's K step multiplies one tile of weights (tile rows x BLOCK_K columns, half a byte each); its warps
+issue `instructions x warps` warp instructions for those bytes. An H100 SXM SM issues at most 4 warp
+instructions a cycle, and streaming 3.35 TB/s over 132 SMs at 1.98 GHz brings 12.8 bytes a cycle to each SM,
+so a step needing more than ~0.31 warp instructions per weight byte cannot stream at that rate however well
+its loads are spread (the scheduler never issues every cycle, so the practical bound is lower).
+Runs on any Python with Triton (Gluon) and its bundled ptxas / cuobjdump; the modules are loaded from src/
+without the tinyloop package (whose import needs torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from persistent_mlp_sass import _loops, kernel_module
+
+GROUP = 64
+# seed-407m's products as the decode step calls them: name -> (N, K, act, norm, residual)
+SHAPES = {"qkv": (6144, 2048, 0, True, False), "o": (2048, 2048, 0, False, True),
+          "gate_up": (11264, 2048, 1, True, False), "down": (2048, 5632, 0, False, True)}  # fmt: skip
+ISSUE_BUDGET = 4 * 132 * 1.98e9 / 3.35e12  # warp instructions per byte at full bandwidth (H100 SXM)
+
+
+def compile_product(mma: Any, policy: Any, name: str, rows: int) -> dict[str, Any]:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    n, k, act, norm, residual = SHAPES[name]
+    warps, row_tiles, block_k, rows_x = policy.mma_int4_tile(n, k, rows)
+    block_n = 16 * warps * row_tiles
+    kernel = mma._int4_mma_kernel
+    layouts = mma.layouts(warps, row_tiles, block_k, rows_x)
+    constants: dict[str, Any] = dict(GROUP=GROUP, NORM=norm, BIAS=False, ACT=act, RESIDUAL=residual, BN=block_n,
+                                     BK=block_k, MP=rows_x, PDL=2, **layouts)  # fmt: skip
+    if "STAGES" in kernel.arg_names:
+        constants["STAGES"] = policy.mma_int4_stages
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "sm_ptr": "*i32", "nw_ptr": "*bf16", "part_ptr": "*fp32",
+                "squares_ptr": "*fp32", "arrivals_ptr": "*i32", "out_ptr": "*bf16", "res_ptr": "*bf16",
+                "b_ptr": "*bf16"}  # fmt: skip
+    divisible = {"N", "K", "stride_xm", "stride_w", "stride_g", "stride_om", "stride_rm"}
+    signature, attrs = {}, {}
+    for index, arg in enumerate(kernel.arg_names):
+        if arg in constants:
+            signature[arg] = "constexpr"
+        elif arg in pointers:
+            signature[arg] = pointers[arg]
+            if arg != "arrivals_ptr":
+                attrs[(index,)] = [["tt.divisibility", 16]]
+        else:
+            signature[arg] = "fp32" if arg == "eps" else "i32"
+            if arg in divisible:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    compiled = triton.compile(GluonASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps})  # fmt: skip
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True).stdout
+        sass = subprocess.run([tools / "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
+    registers, _, _, local = (int(g) for g in found.groups()) if found else (-1, -1, -1, -1)
+    k_step = max(_loops(sass), key=lambda loop: loop["instructions"])  # the K loop; the finishing loop is short
+    tile_bytes, steps = block_n * block_k // 2, k_step["instructions"]
+    return {"product": name, "rows": rows, "tile": [warps, row_tiles, block_k, rows_x], "registers": registers,
+            "local_bytes": local, "shared_bytes": compiled.metadata.shared, "k_step_instructions": steps,
+            "k_step_barriers": k_step["barriers"], "weight_bytes_per_step": tile_bytes,
+            "warp_instructions_per_byte": round(steps * warps / tile_bytes, 3)}  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--json", action="store_true", help="one JSON object per product and row count")
+    args = ap.parse_args()
+    try:
+        import triton
+        from triton.experimental import gluon  # noqa: F401
+    except ImportError:
+        sys.exit("int4_mma_sass.py: needs Triton with Gluon (and its bundled ptxas / cuobjdump) in this Python")
+    mma = kernel_module("tinyloop.kernels.gluon_int4_mma")
+    policy = kernel_module("tinyloop.kernels.policy").KernelPolicy(mma_int4=True)
+    if not args.json:
+        print(f"Triton {triton.__version__}; full bandwidth allows ~{ISSUE_BUDGET:.2f} warp instructions per byte")
+    for rows in args.rows:
+        for name in SHAPES:
+            res = compile_product(mma, policy, name, rows)
+            if args.json:
+                print(json.dumps(res))
+                continue
+            print(f"{name:8s} {rows:2d} rows, tile {res['tile']}: {res['registers']} registers "
+                  f"({res['local_bytes']} B local), {res['shared_bytes']} B shared; K step "
+                  f"{res['k_step_instructions']} instructions a thread for {res['weight_bytes_per_step']} weight "
+                  f"bytes = "
+                  f"{res['warp_instructions_per_byte']} warp instructions a byte")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
