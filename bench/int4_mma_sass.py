@@ -17,14 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
-from persistent_mlp_sass import _loops, kernel_module
+from persistent_mlp_sass import _loops, kernel_module, resources_and_sass
 
 GROUP = 64
 # seed-407m's products as the decode step calls them: name -> (N, K, act, norm, residual)
@@ -65,14 +61,8 @@ def compile_product(mma: Any, policy: Any, name: str, rows: int) -> dict[str, An
                 attrs[(index,)] = [["tt.divisibility", 16]]
     compiled = triton.compile(GluonASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": warps})  # fmt: skip
-    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([tools / "cuobjdump", "-res-usage", cubin], capture_output=True, text=True).stdout
-        sass = subprocess.run([tools / "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
-    registers, _, _, local = (int(g) for g in found.groups()) if found else (-1, -1, -1, -1)
+    usage, sass = resources_and_sass(compiled)
+    registers, local = usage["registers"], usage["local_bytes"]
     k_step = max(_loops(sass), key=lambda loop: loop["instructions"])  # the K loop; the finishing loop is short
     tile_bytes, steps = block_n * block_k // 2, k_step["instructions"]
     return {"product": name, "rows": rows, "tile": [warps, row_tiles, block_k, rows_x], "registers": registers,

@@ -112,6 +112,15 @@ def compile_tile(module: types.ModuleType, spec: str, rows: int) -> dict[str, An
     source = ASTSource(kernel, signature, constexprs={(kernel.arg_names.index(k),): v for k, v in constants.items()},
                        attrs=attrs)  # fmt: skip
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    usage, sass = resources_and_sass(compiled)
+    return {"tile": spec, "rows": rows, **usage, "instructions": len(_instructions(sass)), "loops": _loops(sass)}
+
+
+def resources_and_sass(compiled: Any) -> tuple[dict[str, int], str]:
+    """A compiled kernel's registers, stack and local bytes a thread (-1 where cuobjdump says nothing), and its
+    SASS, read with the cuobjdump bundled with Triton."""
+    import triton
+
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "kernel.cubin"
@@ -120,8 +129,7 @@ def compile_tile(module: types.ModuleType, spec: str, rows: int) -> dict[str, An
         sass = subprocess.run([tools / "cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", usage)
     registers, stack, _, local = (int(g) for g in found.groups()) if found else (-1, -1, -1, -1)
-    return {"tile": spec, "rows": rows, "registers": registers, "stack_bytes": stack, "local_bytes": local,
-            "instructions": len(_instructions(sass)), "loops": _loops(sass)}  # fmt: skip
+    return {"registers": registers, "stack_bytes": stack, "local_bytes": local}, sass
 
 
 def _instructions(sass: str) -> list[tuple[int, str]]:
