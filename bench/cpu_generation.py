@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / ".carry" / "corpus"
 
 
-def model_path(name: str) -> tuple[str, str]:
+def model_path(name: str, scratch: Path) -> tuple[str, str]:
     builtin = ROOT / "src" / "tinyloop" / "builtin" / "tiny.tinyloop"
     if name == "tiny" and builtin.exists():
         return str(builtin), "built-in tiny (trained)"
@@ -44,7 +44,7 @@ def model_path(name: str) -> tuple[str, str]:
         flat[spec.name] = (
             1.0 + torch.zeros(spec.shape) if scale == 0 else scale * torch.randn(spec.shape, generator=gen)
         )
-    path = Path(tempfile.mkdtemp()) / "tiny-random.tinyloop"
+    path = scratch / "tiny-random.tinyloop"
     write_model(path, TINY_CONFIG, flat, progress=False, bits=16, float_dtype="F32")
     return str(path), "random weights, TINY_CONFIG architecture"
 
@@ -181,9 +181,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="runs per prompt and variant; the fastest counts")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as scratch:
+        run(args, Path(scratch))
+
+
+def run(args: argparse.Namespace, scratch: Path) -> None:
     pairs = [(int(d), int(v)) for d, v in (pair.split("/") for pair in args.pairs.split(","))]
     skip = set(args.skip.split(","))
-    path, kind = model_path(args.model)
+    path, kind = model_path(args.model, scratch)
     report: dict = dict(
         model=kind, device="cpu", cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
         python=platform.python_version(), torch=torch.__version__, tinyloop=tinyloop.__version__,
@@ -197,7 +202,7 @@ def main() -> None:
             report["identity"] = check_identity(m, prompts, args.identity_tokens, pairs)
     if "poor" not in skip:
         # Drafts are poor on random weights: adaptive speculation must fall back to plain decoding.
-        rpath, _ = model_path("random")
+        rpath, _ = model_path("random", scratch)
         with Model(rpath, max_seq_len=256, device="cpu") as m:
             report["poor_drafts"] = bench_speed(
                 m, val_prompts(args.speed_prompts, args.corpus), args.tokens, pairs, args.repeats

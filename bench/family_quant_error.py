@@ -29,7 +29,11 @@ def main() -> None:
     default = Path(__file__).resolve().parents[1] / ".." / "shared" / "vectors"
     ap.add_argument("vectors", type=Path, nargs="?", default=default, help="the shared test vectors")
     root = ap.parse_args().vectors
-    tmp = Path(tempfile.mkdtemp())
+    with tempfile.TemporaryDirectory() as scratch:
+        print_table(root, Path(scratch))
+
+
+def print_table(root: Path, tmp: Path) -> None:
     print("| model | storage | case | max rel err | frob rel err | top-1 agree |")
     print("|---|---|---|---|---|---|")
     for name, cases in CASES.items():
