@@ -286,7 +286,12 @@ def test_ctrl_c_ends_generation_with_130_and_no_traceback(tiny_files) -> None:
 
     env = {**os.environ, "TINYLOOP_LOG_LEVEL": "0"}
     cmd = [sys.executable, "-m", "tinyloop.cli.main", str(tiny_files["f32"]), "generate", "--max-tokens", "1000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    # A shell without job control starts background commands with SIGINT ignored, and a child inherits that
+    # (Python then installs no handler): the child starts as an interactive terminal's would.
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )  # fmt: skip
     assert proc.stdout is not None
     assert proc.stdout.read(3) == b"The"  # generation has started
     proc.send_signal(signal.SIGINT)
