@@ -23,7 +23,9 @@ from tinyloop.runtime.engine import Engine
 TOL = 1e-5
 
 
-def fast_step(fast: Engine, tokens: torch.Tensor, cache: KVCache, loops: int, last_only: bool = True) -> ForwardOutput:
+def fast_step(
+    fast: Engine, tokens: torch.Tensor, cache: KVCache, loops: int, last_only: bool = True, **step: object
+) -> ForwardOutput:
     """fast.step, failing if the step fell back to the generic forward."""
 
     def refuse(*args: object, **kwargs: object) -> ForwardOutput:
@@ -32,7 +34,7 @@ def fast_step(fast: Engine, tokens: torch.Tensor, cache: KVCache, loops: int, la
     generic_forward = engine_module.forward
     engine_module.forward = refuse  # type: ignore[assignment]
     try:
-        return fast.step(tokens, cache, loops, last_only=last_only)
+        return fast.step(tokens, cache, loops, last_only=last_only, **step)  # type: ignore[arg-type]
     finally:
         engine_module.forward = generic_forward
 
@@ -112,6 +114,39 @@ def test_prefill_matches_generic_and_naive(variant: str) -> None:
     last = fast_step(fast, torch.tensor([tokens]), caches[0], loops).logits
     assert last is not None and last.shape == (1, 1, cfg.vocab_size)
     assert max_rel_error(last[0, 0], naive[-1]) <= TOL
+
+
+@pytest.mark.parametrize("variant", ["pre-concat-zeros-gqa", "pre-add-prelude", "huginn-like", "ouro-like"])
+def test_verification_resumed_over_drafted_positions_matches_generic_and_naive(variant: str) -> None:
+    """Self-speculation's verify pass: drafts appended at 2 loops, then the same positions recomputed from
+    their drafted state (start_loop 2) to 5 loops, rewriting the deeper slots; equals the generic path, and the
+    next token equals the naive reference of the whole sequence at 5 loops."""
+    cfg, flat, fast, generic = engines(variant)
+    prompt, drafts = [5, 9, 2, 7, 1, 3], [11, 12, 13, 14]
+    caches = (fast.new_cache(1, 32, 5), generic.new_cache(1, 32, 5))
+    outs = []
+    for engine, cache in zip((fast, generic), caches, strict=True):
+        engine.step(torch.tensor([prompt]), cache, 5, last_only=True)
+        shallow = [engine.step(torch.tensor([[t]]), cache, 2, last_only=True) for t in drafts]
+        resume = tuple(torch.cat([getattr(o, name) for o in shallow], dim=1) for name in ("loop_state", "prelude_out"))
+        step = dict(start=torch.tensor([len(prompt)]), resume=resume, start_loop=2)
+        if engine is fast:
+            outs.append(fast_step(fast, torch.tensor([drafts]), cache, 5, last_only=False, **step))
+        else:
+            outs.append(generic.step(torch.tensor([drafts]), cache, 5, **step))  # type: ignore[arg-type]
+    got, ref = outs
+    assert got.logits is not None and ref.logits is not None and got.logits.shape == ref.logits.shape
+    assert max_rel_error(got.logits, ref.logits) <= TOL
+    assert got.loop_state is not None and ref.loop_state is not None
+    assert max_rel_error(got.loop_state, ref.loop_state) <= TOL
+    assert torch.equal(caches[0].lengths, caches[1].lengths)
+    used = cfg.n_cache_slots(5)
+    for name in ("k", "v"):
+        assert max_rel_error(getattr(caches[0], name)[:used], getattr(caches[1], name)[:used]) <= TOL, name
+    naive, _, _ = naive_forward(cfg, flat, prompt + drafts + [17], 5, fast.noise)
+    assert max_rel_error(got.logits[0], naive[len(prompt) : len(prompt) + len(drafts)]) <= TOL
+    following = fast_step(fast, torch.tensor([[17]]), caches[0], 5).logits
+    assert following is not None and max_rel_error(following[0, 0], naive[-1]) <= TOL
 
 
 @pytest.mark.parametrize("variant", ["pre-concat-zeros-gqa", "huginn-like"])
@@ -199,6 +234,12 @@ def test_declines_what_it_does_not_handle() -> None:
     assert decoder.decode(long_prompt, fast.new_cache(1, 300, 2), 2, None, True, at_end[:1], None, 0) is None
     assert decoder.decode(torch.tensor([[1], [2]]), cache, 2, torch.tensor([1, 0]), True, at_end, None, 0) is None
     assert decoder.decode(torch.tensor([[1]]), cache, 2, None, True, at_end[:1], None, 0) is None  # batch differs
+    one = fast.new_cache(1, 16, 2)
+    past_end = torch.tensor([3])
+    assert decoder.decode(torch.tensor([[1, 2]]), one, 2, None, True, past_end, None, 0) is None  # a gap
+    state = torch.ones(2, 1, cfg.d_model)
+    resumed_rows = decoder.decode(torch.tensor([[1], [2]]), cache, 2, None, True, at_end, (state, state), 1)
+    assert resumed_rows is None  # resumed forwards: one row only
     narrow = DenseKVCache(cfg, 1, 16, 2, "cpu", torch.float32, storage_dtype=torch.float16)
     out = fast.step(torch.tensor([[1, 2, 3]]), narrow, 2)  # a float16 cache runs the generic path
     assert out.logits is not None and int(narrow.lengths[0]) == 3

@@ -92,3 +92,35 @@ def test_builtin_model_in_bfloat16_generates_as_float32(capsys: pytest.CaptureFi
     want = exact.generate(prompt, max_tokens=32, temperature=0)
     got = fast.generate(prompt, max_tokens=32, temperature=0)
     assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize(("variant", "vocab"), [("pre-concat-zeros-gqa", 112), ("huginn-like", 97)])
+def test_verification_with_int4_matmuls_matches_naive(variant: str, vocab: int) -> None:
+    """A verify pass resumed from drafted states runs on the CPU decoder up to INT4_MAX_ROWS rows (the one-row
+    steps' kernel), within bfloat16's error of the naive reference; more rows take the generic forward."""
+    cfg, dequantized, fast, generic = _engines(variant, vocab)
+    prompt, drafts = [5, 9, 2, 7, 1, 3], [11, 12, 13, 14, 15]
+    naive, _, _ = naive_forward(cfg, dequantized, prompt + drafts, 5, fast.noise)
+    got = []
+    for engine in (fast, generic):
+        cache = engine.new_cache(1, 32, 5)
+        engine.step(torch.tensor([prompt]), cache, 5, last_only=True)
+        shallow = [engine.step(torch.tensor([[t]]), cache, 2, last_only=True) for t in drafts]
+        resume = tuple(torch.cat([getattr(o, name) for o in shallow], dim=1) for name in ("loop_state", "prelude_out"))
+        step = dict(start=torch.tensor([len(prompt)]), resume=resume, start_loop=2)
+        if engine is fast:
+            out = fast_step(fast, torch.tensor([drafts]), cache, 5, last_only=False, **step)
+        else:
+            out = engine.step(torch.tensor([drafts]), cache, 5, **step)  # type: ignore[arg-type]
+        assert out.logits is not None
+        got.append(out.logits[0])
+    want = naive[len(prompt) :]  # the drafted positions' logits
+    assert frob_rel_error(got[0], want) <= MODEL_TOL
+    assert frob_rel_error(got[0], got[1]) <= MODEL_TOL / 4
+    decoder = fast.decoder
+    assert decoder is not None
+    rows = cpu_int4.INT4_MAX_ROWS + 1
+    cache = fast.new_cache(1, 32, 5)
+    state = torch.ones(1, rows, cfg.d_model)
+    tokens = torch.ones(1, rows, dtype=torch.long)
+    assert decoder.decode(tokens, cache, 5, None, False, torch.zeros(1, dtype=torch.long), (state, state), 2) is None

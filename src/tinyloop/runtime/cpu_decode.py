@@ -326,10 +326,9 @@ class CpuDecoder:
             views=self._cache_views(cache, span),
         )
 
-    def _prefill_step(self, cache: KVCache, T: int) -> _Step:
-        """T tokens of cache row 0 after what it holds, each attending to the positions up to its own."""
+    def _prefill_step(self, cache: KVCache, start: int, T: int) -> _Step:
+        """T tokens of cache row 0 from position `start` on, each attending to the positions up to its own."""
         G = self.cfg.n_heads // self.cfg.n_kv_heads
-        start = int(cache.lengths[0])
         pos = torch.arange(start, start + T)
         span = self._span(cache, start + T)
         cos4, sin4 = self._rope(pos)
@@ -422,32 +421,37 @@ class CpuDecoder:
         resume: tuple[torch.Tensor, torch.Tensor] | None,
         start_loop: int,
     ) -> ForwardOutput | None:
-        """One new token per row, or one row's prompt, appended after the cache; everything else is declined."""
+        """One new token per row appended after the cache, or one row's tokens at `start` (a prompt, or
+        positions recomputed deeper from a resumed state: verification); everything else is declined."""
         B, T = tokens.shape
-        if cache is None or resume is not None or type(cache).update not in _PLAIN_UPDATES:
-            return None
-        if T != 1 and (B != 1 or T > PREFILL_MAX_TOKENS or self.int4_products):
-            # bfloat16 matmuls (cpu_int4.matmul) switch kernels past 8 rows, and the two round differently: a
-            # prompt prefilled here alone would part from the same prompt prefilled in a batch (the generic path).
-            return None
-        if cache.batch != B or not bool((start == cache.lengths).all()):
+        if cache is None or type(cache).update not in _PLAIN_UPDATES or cache.batch != B:
             return None
         if valid is not None and bool((valid.to("cpu") != T).any()):
             return None
+        appended = bool((start == cache.lengths).all())
+        one_token_rows = T == 1 and appended and resume is None
+        # bfloat16 matmuls (cpu_int4.matmul) switch kernels past INT4_MAX_ROWS rows, and the two round
+        # differently: a prompt prefilled here alone would part from the same prompt prefilled in a batch (the
+        # generic path). A resumed forward (verification) has no batched counterpart, and up to that many rows
+        # it multiplies with the one-row steps' kernel.
+        int4_rows = not self.int4_products or (resume is not None and T <= cpu_int4.INT4_MAX_ROWS)
+        if not one_token_rows and (B != 1 or T > PREFILL_MAX_TOKENS or not int4_rows or start[0] > cache.lengths[0]):
+            return None
         previous = torch.get_num_threads()
-        single = B * T <= (SINGLE_THREAD_ROWS if T == 1 else PREFILL_MAX_TOKENS) and previous != 1
+        single = B * T <= (SINGLE_THREAD_ROWS if one_token_rows else PREFILL_MAX_TOKENS) and previous != 1
         if single:
             torch.set_num_threads(1)
         try:
-            if T == 1:
+            if one_token_rows:
                 buf = self._buffers.get(B)
                 if buf is None:
                     buf = self._buffers[B] = _Buffers(self.cfg, B)
                 st = self._step(cache, B)
             else:  # prompts come in many lengths: their buffers are not kept
-                buf, st = _Buffers(self.cfg, T), self._prefill_step(cache, T)
+                buf, st = _Buffers(self.cfg, T), self._prefill_step(cache, int(start[0]), T)
             ops = _CpuOps(self, buf, st, cache, T, last_only)
-            return run(ops, self.w, self.cfg, tokens.to("cpu", torch.long).view(B * T), loops)
+            flat_tokens = tokens.to("cpu", torch.long).view(B * T)
+            return run(ops, self.w, self.cfg, flat_tokens, loops, resume=resume, start_loop=start_loop)
         finally:
             if single:
                 torch.set_num_threads(previous)
@@ -560,4 +564,5 @@ class _CpuOps:
         return new.copy_(torch.where(take_new.view(-1, 1), new, old))
 
     def resume(self, state: torch.Tensor, prelude_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raise AssertionError("the CPU decode step declines resumed forwards (CpuDecoder.decode)")
+        rows = self.B * self.T
+        return self.buf.left[self.cur].copy_(state.reshape(rows, -1)), prelude_out.reshape(rows, -1)
