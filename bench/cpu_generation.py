@@ -2,9 +2,13 @@
 per-token cost of grammar masks for the byte vocabulary and a 49,152-token BPE vocabulary.
 
     python bench/cpu_generation.py [--model tiny] [--tokens 64] [--pairs 2/8] [--repeats 3] [--identity-prompts 50]
-        [--out FILE.json]
+        [--dtype float32|bfloat16] [--out FILE.json]
 
-Uses the built-in `tiny` model when its file exists, else a random-weight model of the same architecture.
+Speed rows also time the steps a round is made of (medians of 9): a plain one-token step, a draft step, and a
+verify pass over draft_ahead + 1 positions resumed from their drafted states.
+
+Uses the built-in `tiny` model when its file exists, else a random-weight model of the same architecture (INT4,
+group size 64, as the built-in file).
 """
 
 from __future__ import annotations
@@ -45,8 +49,8 @@ def model_path(name: str, scratch: Path) -> tuple[str, str]:
             1.0 + torch.zeros(spec.shape) if scale == 0 else scale * torch.randn(spec.shape, generator=gen)
         )
     path = scratch / "tiny-random.tinyloop"
-    write_model(path, TINY_CONFIG, flat, progress=False, bits=16, float_dtype="F32")
-    return str(path), "random weights, TINY_CONFIG architecture"
+    write_model(path, TINY_CONFIG, flat, progress=False, bits=4, group_size=64, float_dtype="F32")
+    return str(path), "random weights, TINY_CONFIG architecture, INT4 as the built-in"
 
 
 def val_prompts(n: int, corpus: Path, length: int = 64) -> list[list[int]]:
@@ -68,9 +72,11 @@ def bench_speed(
     interleaved runs, so a burst of load from another process on a shared machine hits one run, not a mean."""
     rows = []
     for d, v in pairs:
-        best: dict[str, list[float]] = {name: [] for name in ("plain", "adaptive", "fixed", "recompute")}
+        variants = ("plain", "adaptive", "adaptive_no_estimate", "fixed", "recompute")
+        best: dict[str, list[float]] = {name: [] for name in variants}
         drafted = accepted = passes = spec_tok = plain_steps = 0
-        spec = SpecConfig(d, v, 4, adaptive=False, resume_verify=False)
+        recompute = SpecConfig(d, v, 4, adaptive=False, resume_verify=False)
+        no_estimate = SpecConfig(d, v, 4, prefill_estimate=False)
         for p in prompts:
             times: dict[str, list[float]] = {name: [] for name in best}
             for _ in range(repeats):
@@ -80,12 +86,13 @@ def bench_speed(
                 times["adaptive"].append(t)
                 fixed, t = timed(m.generate_speculative, p, tokens, d, v, 4, adaptive=False)
                 times["fixed"].append(t)
-                with m._request_cache(v) as cache:
-                    run = speculative_tokens(
-                        m._engine, cache, torch.tensor(p), tokens, spec, SamplingParams(temperature=0.0)
-                    )
-                    _, t = timed(list, run)
-                times["recompute"].append(t)
+                for name, spec in (("adaptive_no_estimate", no_estimate), ("recompute", recompute)):
+                    with m._request_cache(v) as cache:
+                        run = speculative_tokens(
+                            m._engine, cache, torch.tensor(p), tokens, spec, SamplingParams(temperature=0.0)
+                        )
+                        _, t = timed(list, run)
+                    times[name].append(t)
                 drafted += fixed.stats.drafted
                 accepted += fixed.stats.accepted
                 passes += fixed.stats.verify_passes
@@ -103,15 +110,48 @@ def bench_speed(
                 plain_tok_s=plain_tok_s,
                 spec_adaptive_tok_s=adaptive_tok_s,
                 adaptive_vs_plain=adaptive_tok_s / plain_tok_s,
+                spec_adaptive_no_estimate_tok_s=n / sum(best["adaptive_no_estimate"]),
                 spec_fixed_tok_s=n / sum(best["fixed"]),
                 spec_fixed_recompute_tok_s=n / sum(best["recompute"]),
                 acceptance=accepted / max(drafted, 1),
                 tokens_per_verify=spec_tok / max(passes, 1),
                 adaptive_plain_step_share=plain_steps / (n * repeats),
+                **step_ms(m, prompts[0], d, v, draft_ahead=4),
             )
         )
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def step_ms(m: Model, prompt: list[int], draft: int, verify: int, draft_ahead: int) -> dict[str, float]:
+    """Median milliseconds of a plain step, a draft step and a verify pass over draft_ahead + 1 positions."""
+    engine = m._engine
+
+    def median_ms(step, repeats: int = 9) -> float:  # type: ignore[no-untyped-def]
+        times = sorted(timed(step)[1] for _ in range(repeats))
+        return times[repeats // 2] * 1e3
+
+    with m._request_cache(verify) as cache:
+        assert cache is not None
+        engine.step(torch.tensor([prompt]), cache, verify, last_only=True)
+        end = int(cache.lengths[0])
+        x = torch.tensor([[prompt[-1]]])
+        rows = torch.tensor([prompt[-draft_ahead - 1 :]])
+        drafted = engine.step(rows, cache, draft)
+        assert drafted.loop_state is not None and drafted.prelude_out is not None
+        resume = (drafted.loop_state, drafted.prelude_out)
+
+        def one(loops: int) -> None:
+            cache.truncate(end)
+            engine.step(x, cache, loops, last_only=True)
+
+        def verify_pass() -> None:
+            engine.step(rows, cache, verify, start=torch.tensor([end]), resume=resume, start_loop=draft)
+
+        plain_ms, draft_ms = median_ms(lambda: one(verify)), median_ms(lambda: one(draft))
+        cache.truncate(end)
+        engine.step(rows, cache, draft)
+        return dict(plain_step_ms=plain_ms, draft_step_ms=draft_ms, verify_pass_ms=median_ms(verify_pass))
 
 
 def check_identity(m: Model, prompts: list[list[int]], tokens: int, pairs: list[tuple[int, int]]) -> list[dict]:
@@ -179,6 +219,12 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma list of: speed, identity, poor, mask")
     ap.add_argument("--pairs", default="1/4,2/8,4/16", help="comma list of draft/verify loops")
     ap.add_argument("--repeats", type=int, default=1, help="runs per prompt and variant; the fastest counts")
+    ap.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="bfloat16: INT4 matrices through torch's CPU INT4 kernel (the CLI's auto where it is native)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as scratch:
@@ -194,7 +240,9 @@ def run(args: argparse.Namespace, scratch: Path) -> None:
         python=platform.python_version(), torch=torch.__version__, tinyloop=tinyloop.__version__,
     )  # fmt: skip
     print(json.dumps(report), flush=True)
-    with Model(path, max_seq_len=256, device="cpu") as m:
+    dtype = getattr(torch, args.dtype)
+    report["dtype"] = args.dtype
+    with Model(path, max_seq_len=256, device="cpu", dtype=dtype) as m:
         prompts = val_prompts(args.identity_prompts, args.corpus)
         if "speed" not in skip:
             report["speed"] = bench_speed(m, prompts[: args.speed_prompts], args.tokens, pairs, args.repeats)
@@ -203,7 +251,7 @@ def run(args: argparse.Namespace, scratch: Path) -> None:
     if "poor" not in skip:
         # Drafts are poor on random weights: adaptive speculation must fall back to plain decoding.
         rpath, _ = model_path("random", scratch)
-        with Model(rpath, max_seq_len=256, device="cpu") as m:
+        with Model(rpath, max_seq_len=256, device="cpu", dtype=dtype) as m:
             report["poor_drafts"] = bench_speed(
                 m, val_prompts(args.speed_prompts, args.corpus), args.tokens, pairs, args.repeats
             )

@@ -162,6 +162,19 @@ def test_adaptive_without_a_prompt_estimate_opens_with_a_probe(model, monkeypatc
     assert res.stats.prompt_agreement is not None and 0.0 <= res.stats.prompt_agreement <= 1.0
 
 
+def test_adaptive_with_the_prefill_estimate_off_opens_with_a_probe() -> None:
+    engine = tiny_engine(contractive=0.05)
+    ids = torch.tensor(list(PROMPTS[1]))
+    greedy = SamplingParams(temperature=0.0)
+    plain = list(decode_row(engine, engine.new_cache(1, 128, 4), one_row(ids, 24, 4, greedy)))
+    for estimate in (True, False):
+        stats = SpeculativeStats()
+        spec = SpecConfig(1, 4, 4, prefill_estimate=estimate)
+        got = list(speculative_tokens(engine, engine.new_cache(1, 128, 4), ids, 24, spec, greedy, stats))
+        assert got == plain
+        assert (stats.prompt_agreement is not None) == estimate and stats.verify_passes >= 1
+
+
 def test_policy_on_cuda_speculates_only_for_large_models() -> None:
     """On CUDA a multi-token verification of a small model costs a full step per token (measured), so
     speculation cannot pay there: the adaptive policy starts plain and only probes; on CPU the same

@@ -84,6 +84,7 @@ class SpecConfig:
     draft_ahead: int
     adaptive: bool = True
     resume_verify: bool = True  # False recomputes drafted positions from scratch (for measurement)
+    prefill_estimate: bool = True  # False: the adaptive policy starts with a probe round (for measurement)
 
 
 def speculative_tokens(
@@ -167,7 +168,7 @@ def _rounds(
     cache.truncate(0)
     ids = prompt.to(torch.long).view(1, -1)
     split = min(ids.shape[1], PREFILL_ESTIMATE_POSITIONS)
-    if spec.adaptive and split * engine.cfg.vocab_size <= PREFILL_ESTIMATE_LOGITS:
+    if spec.adaptive and spec.prefill_estimate and split * engine.cfg.vocab_size <= PREFILL_ESTIMATE_LOGITS:
         if split < ids.shape[1]:
             engine.step(ids[:, :-split], cache, spec.verify_loops, last_only=True)
         last, agreement = _split_prefill(engine, cache, ids[:, -split:], spec, picker.params)
