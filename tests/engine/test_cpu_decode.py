@@ -116,6 +116,22 @@ def test_prefill_matches_generic_and_naive(variant: str) -> None:
     assert max_rel_error(last[0, 0], naive[-1]) <= TOL
 
 
+def draft_then_verify(
+    engine: Engine, prompt: list[int], drafts: list[int], fast: bool
+) -> tuple[ForwardOutput, KVCache]:
+    """Self-speculation's verify pass on a fresh cache: the prompt at 5 loops, the drafts appended one at a time at
+    2 loops, then the drafted positions recomputed from their drafted states (start_loop 2) to 5 loops; `fast`
+    fails if the CPU decoder declines the pass."""
+    cache = engine.new_cache(1, 32, 5)
+    engine.step(torch.tensor([prompt]), cache, 5, last_only=True)
+    shallow = [engine.step(torch.tensor([[t]]), cache, 2, last_only=True) for t in drafts]
+    resume = tuple(torch.cat([getattr(o, name) for o in shallow], dim=1) for name in ("loop_state", "prelude_out"))
+    step = dict(start=torch.tensor([len(prompt)]), resume=resume, start_loop=2)
+    if fast:
+        return fast_step(engine, torch.tensor([drafts]), cache, 5, last_only=False, **step), cache
+    return engine.step(torch.tensor([drafts]), cache, 5, **step), cache  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("variant", ["pre-concat-zeros-gqa", "pre-add-prelude", "huginn-like", "ouro-like"])
 def test_verification_resumed_over_drafted_positions_matches_generic_and_naive(variant: str) -> None:
     """Self-speculation's verify pass: drafts appended at 2 loops, then the same positions recomputed from
@@ -123,18 +139,8 @@ def test_verification_resumed_over_drafted_positions_matches_generic_and_naive(v
     next token equals the naive reference of the whole sequence at 5 loops."""
     cfg, flat, fast, generic = engines(variant)
     prompt, drafts = [5, 9, 2, 7, 1, 3], [11, 12, 13, 14]
-    caches = (fast.new_cache(1, 32, 5), generic.new_cache(1, 32, 5))
-    outs = []
-    for engine, cache in zip((fast, generic), caches, strict=True):
-        engine.step(torch.tensor([prompt]), cache, 5, last_only=True)
-        shallow = [engine.step(torch.tensor([[t]]), cache, 2, last_only=True) for t in drafts]
-        resume = tuple(torch.cat([getattr(o, name) for o in shallow], dim=1) for name in ("loop_state", "prelude_out"))
-        step = dict(start=torch.tensor([len(prompt)]), resume=resume, start_loop=2)
-        if engine is fast:
-            outs.append(fast_step(fast, torch.tensor([drafts]), cache, 5, last_only=False, **step))
-        else:
-            outs.append(generic.step(torch.tensor([drafts]), cache, 5, **step))  # type: ignore[arg-type]
-    got, ref = outs
+    (got, fast_cache), (ref, generic_cache) = (draft_then_verify(e, prompt, drafts, e is fast) for e in (fast, generic))
+    caches = (fast_cache, generic_cache)
     assert got.logits is not None and ref.logits is not None and got.logits.shape == ref.logits.shape
     assert max_rel_error(got.logits, ref.logits) <= TOL
     assert got.loop_state is not None and ref.loop_state is not None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_cached_vs_naive import BASE, VARIANTS
-from test_cpu_decode import fast_step
+from test_cpu_decode import draft_then_verify, fast_step
 
 from helpers import frob_rel_error, random_flat_weights
 from naive_reference import naive_forward
@@ -103,15 +103,7 @@ def test_verification_with_int4_matmuls_matches_naive(variant: str, vocab: int) 
     naive, _, _ = naive_forward(cfg, dequantized, prompt + drafts, 5, fast.noise)
     got = []
     for engine in (fast, generic):
-        cache = engine.new_cache(1, 32, 5)
-        engine.step(torch.tensor([prompt]), cache, 5, last_only=True)
-        shallow = [engine.step(torch.tensor([[t]]), cache, 2, last_only=True) for t in drafts]
-        resume = tuple(torch.cat([getattr(o, name) for o in shallow], dim=1) for name in ("loop_state", "prelude_out"))
-        step = dict(start=torch.tensor([len(prompt)]), resume=resume, start_loop=2)
-        if engine is fast:
-            out = fast_step(fast, torch.tensor([drafts]), cache, 5, last_only=False, **step)
-        else:
-            out = engine.step(torch.tensor([drafts]), cache, 5, **step)  # type: ignore[arg-type]
+        out, _ = draft_then_verify(engine, prompt, drafts, engine is fast)
         assert out.logits is not None
         got.append(out.logits[0])
     want = naive[len(prompt) :]  # the drafted positions' logits

@@ -434,21 +434,24 @@ class CpuDecoder:
         # differently: a prompt prefilled here alone would part from the same prompt prefilled in a batch (the
         # generic path). A resumed forward (verification) has no batched counterpart, and up to that many rows
         # it multiplies with the one-row steps' kernel.
-        int4_rows = not self.int4_products or (resume is not None and T <= cpu_int4.INT4_MAX_ROWS)
-        if not one_token_rows and (B != 1 or T > PREFILL_MAX_TOKENS or not int4_rows or start[0] > cache.lengths[0]):
+        int4_kernel_fits = not self.int4_products or (resume is not None and T <= cpu_int4.INT4_MAX_ROWS)
+        if not one_token_rows and (
+            B != 1 or T > PREFILL_MAX_TOKENS or not int4_kernel_fits or start[0] > cache.lengths[0]
+        ):
             return None
         previous = torch.get_num_threads()
         single = B * T <= (SINGLE_THREAD_ROWS if one_token_rows else PREFILL_MAX_TOKENS) and previous != 1
         if single:
             torch.set_num_threads(1)
         try:
-            if one_token_rows:
-                buf = self._buffers.get(B)
-                if buf is None:
-                    buf = self._buffers[B] = _Buffers(self.cfg, B)
-                st = self._step(cache, B)
-            else:  # prompts come in many lengths: their buffers are not kept
-                buf, st = _Buffers(self.cfg, T), self._prefill_step(cache, int(start[0]), T)
+            # Buffers hold B * T rows either way. Decode steps and verify passes come in few sizes and every
+            # round, so theirs are kept; prompts come in many lengths, so theirs are not.
+            buf = self._buffers.get(B * T)
+            if buf is None:
+                buf = _Buffers(self.cfg, B * T)
+                if one_token_rows or resume is not None:
+                    self._buffers[B * T] = buf
+            st = self._step(cache, B) if one_token_rows else self._prefill_step(cache, int(start[0]), T)
             ops = _CpuOps(self, buf, st, cache, T, last_only)
             flat_tokens = tokens.to("cpu", torch.long).view(B * T)
             return run(ops, self.w, self.cfg, flat_tokens, loops, resume=resume, start_loop=start_loop)
