@@ -26,9 +26,12 @@ from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, CudaTinygemmWei
 SPLIT_PROGRAMS = (264, 528, 1056)
 
 
-def tile_candidates(rows: int) -> list[tuple[int, int, int, int]]:
-    """(warps, row tiles, BLOCK_K, x rows per program) worth timing at `rows` rows."""
+def tile_candidates(rows: int, wgmma: bool = False) -> list[tuple[int, int, int, int]]:
+    """(warps, row tiles, BLOCK_K, x rows per program) worth timing at `rows` rows (`wgmma`: for the warpgroup
+    kernel, whole warpgroups)."""
     rows_x = max(16, 1 << (rows - 1).bit_length())
+    if wgmma:
+        return [(8, 1, 128, rows_x), (8, 1, 64, rows_x), (8, 2, 128, rows_x), (4, 2, 128, rows_x)]
     if rows_x == 64:
         return [(4, 1, 64, 64), (4, 2, 64, 64), (2, 1, 64, 64)]
     if rows_x == 32:
@@ -78,7 +81,9 @@ def main() -> None:
             measure("cublas_16bit", fused(policy, dense))
             measure("tinygemm", fused(policy, tinygemm))
             measure("mma_int4", fused(policy, mma))
-            for tile in tile_candidates(m):
+            if policy.mma_int4_uses_wgmma(m):
+                measure("mma_sync", fused(dataclasses.replace(policy, mma_int4_wgmma=False), mma))
+            for tile in tile_candidates(m, policy.mma_int4_uses_wgmma(m)):
                 for programs in SPLIT_PROGRAMS:
                     if time.perf_counter() > deadline:
                         row["budget_exhausted"] = True

@@ -57,6 +57,7 @@ def kernel_policy(env: RuntimeEnv) -> KernelPolicy:
         persistent_decode=triton_ok and env.persistent_decode,
         tinygemm=not env.disable_tinygemm and tinygemm_supported(),
         mma_int4=triton_ok and not env.disable_mma_int4 and mma_int4_supported(),
+        mma_int4_wgmma=triton_ok and not env.disable_mma_int4 and mma_int4_wgmma_supported(),
     )
 
 
@@ -89,6 +90,16 @@ def mma_int4_supported() -> bool:
     from tinyloop.kernels import gluon_int4_mma
 
     return _kernel_module_usable(9, gluon_int4_mma, "the tensor-core INT4 kernel", "no Gluon MMA in this Triton")
+
+
+def mma_int4_wgmma_supported() -> bool:
+    """The warpgroup version of the tensor-core INT4 kernel: a Hopper GPU (wgmma is sm_90's alone) and a Triton
+    whose Gluon has it."""
+    from tinyloop.kernels import gluon_int4_wgmma
+
+    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] > 9:
+        return False
+    return _kernel_module_usable(9, gluon_int4_wgmma, "the warpgroup INT4 kernel", "no Gluon wgmma in this Triton")
 
 
 def pdl_supported() -> bool:

@@ -39,7 +39,9 @@ try:  # Gluon is experimental: absent from older Triton, and its API moves betwe
 
     # The split-K kernels' epilogue (bias, activation, residual, rounding), compiled as Gluon.
     _epilogue = _import_from_triton(triton_matmul._epilogue)
-except Exception:  # pragma: no cover - depends on the installed Triton
+    _IMPORT_ERROR: str | None = None
+except Exception as exc:  # pragma: no cover - depends on the installed Triton
+    _IMPORT_ERROR = f"{type(exc).__name__}: {exc}"
     gluon = None
     gl = None
     mma_v2 = None
