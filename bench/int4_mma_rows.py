@@ -44,9 +44,12 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", type=int, nargs="*", default=[2, 3, 4, 8, 16, 32, 64])
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop the tile sweep after this long")
+    ap.add_argument("--wgmma-min-rows", type=int, help="KernelPolicy.mma_int4_wgmma_min_rows (default: the policy's)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     policy = dataclasses.replace(kernel_policy(RuntimeEnv.read()), mma_int4=True)
+    if args.wgmma_min_rows is not None:
+        policy = dataclasses.replace(policy, mma_int4_wgmma_min_rows=args.wgmma_min_rows)
     gen = torch.Generator().manual_seed(0)
     dev = torch.device("cuda")
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
