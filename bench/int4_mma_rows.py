@@ -44,12 +44,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", type=int, nargs="*", default=[2, 3, 4, 8, 16, 32, 64])
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop the tile sweep after this long")
-    ap.add_argument("--wgmma-min-rows", type=int, help="KernelPolicy.mma_int4_wgmma_min_rows (default: the policy's)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     policy = dataclasses.replace(kernel_policy(RuntimeEnv.read()), mma_int4=True)
-    if args.wgmma_min_rows is not None:
-        policy = dataclasses.replace(policy, mma_int4_wgmma_min_rows=args.wgmma_min_rows)
     gen = torch.Generator().manual_seed(0)
     dev = torch.device("cuda")
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -84,14 +81,16 @@ def main() -> None:
             measure("cublas_16bit", fused(policy, dense))
             measure("tinygemm", fused(policy, tinygemm))
             measure("mma_int4", fused(policy, mma))
-            if policy.mma_int4_uses_wgmma(m):
+            wgmma = policy.mma_int4_uses_wgmma(n, k, m)
+            if wgmma:
                 measure("mma_sync", fused(dataclasses.replace(policy, mma_int4_wgmma=False), mma))
-            for tile in tile_candidates(m, policy.mma_int4_uses_wgmma(m)):
+            for tile in tile_candidates(m, wgmma):
                 for programs in SPLIT_PROGRAMS:
                     if time.perf_counter() > deadline:
                         row["budget_exhausted"] = True
                         break
-                    pol = dataclasses.replace(policy, mma_int4_tiles={(n, k, m): tile}, mma_int4_programs=programs)
+                    pol = dataclasses.replace(policy, mma_int4_tiles={(n, k, m): tile}, mma_int4_programs=programs,
+                                              mma_int4_wgmma_programs=programs)  # fmt: skip
                     key = ",".join(map(str, (*tile, programs)))
                     measure(key, fused(pol, mma), row=row["tiles"])
             keep_best(row, 0.02, result["best"], f"{n},{k},{m}")

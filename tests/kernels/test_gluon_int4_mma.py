@@ -103,9 +103,10 @@ def test_copy_refuses_what_the_kernel_cannot_decode() -> None:
         CudaMmaInt4Weight.from_int4(w, torch.float32)
 
 
+@pytest.mark.parametrize("wgmma", [False, True])
 @pytest.mark.parametrize("rows", [3, 4, 8, 9, 16, 17, 32, 33, 64])
-def test_default_tiles_cover_the_row_counts_and_divide_the_model_shapes(rows: int) -> None:
-    policy = KernelPolicy()
+def test_default_tiles_cover_the_row_counts_and_divide_the_model_shapes(rows: int, wgmma: bool) -> None:
+    policy = KernelPolicy(mma_int4=True, mma_int4_wgmma=wgmma)
     warps, row_tiles, block_k, rows_x = policy.mma_int4_tile(2048, 2048, rows)
     assert rows <= rows_x <= 64 and rows_x >= 16 and block_k in (64, 128, 256)
     for n, k in ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (32000, 2048), (49152, 2048)):
@@ -121,3 +122,19 @@ def _shaped(n: int, k: int, group: int = 64) -> CudaMmaInt4Weight:
     words, pairs = torch.ones(n, k // 8, dtype=torch.int32), torch.ones(n, k // group, dtype=torch.int32)
     arrivals = torch.zeros(n // 16 * MMA_MAX_X_TILES, dtype=torch.int32)
     return CudaMmaInt4Weight(words, pairs, group, torch.bfloat16, arrivals)
+
+
+def test_warpgroup_kernel_takes_wide_products_from_8_rows_long_ones_from_16_square_ones_from_32() -> None:
+    policy = KernelPolicy(mma_int4=True, mma_int4_wgmma=True)
+    qkv, gate_up, out, down = (6144, 2048), (11264, 2048), (2048, 2048), (2048, 5632)
+    assert [policy.mma_int4_uses_wgmma(*qkv, rows) for rows in (7, 8)] == [False, True]
+    assert policy.mma_int4_uses_wgmma(*gate_up, 8)
+    assert [policy.mma_int4_uses_wgmma(*down, rows) for rows in (8, 16)] == [False, True]
+    assert [policy.mma_int4_uses_wgmma(*out, rows) for rows in (16, 32)] == [False, True]
+    assert not KernelPolicy(mma_int4=True).mma_int4_uses_wgmma(*qkv, 32)
+    # whole warpgroups (4 or 8 warps) and x tiles wgmma's N can take
+    for shape in (qkv, gate_up, out, down):
+        for rows in (8, 16, 32, 64):
+            if policy.mma_int4_uses_wgmma(*shape, rows):
+                warps, _, _, rows_x = policy.mma_int4_tile(*shape, rows)
+                assert warps % 4 == 0 and rows_x in (16, 32, 64)

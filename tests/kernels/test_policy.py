@@ -126,3 +126,15 @@ def test_kernel_choice_is_never_a_rebound_global() -> None:
     assign = re.compile(r"\b(cuda_ops|attention_backend|cuda_backend|dispatch|policy)\.[A-Za-z_]+\s*=[^=]")
     for path in [*SRC.rglob("*.py"), *(SRC.parents[1] / "bench").rglob("*.py")]:
         assert not assign.search(path.read_text()), path
+
+
+def test_the_warpgroup_int4_kernel_follows_its_support_and_the_mma_int4_switch(clean_env: pytest.MonkeyPatch) -> None:
+    for _, supported in GPU_SWITCHES.values():
+        clean_env.setattr(cuda_backend, supported, lambda: True)
+    clean_env.setattr(cuda_backend, "triton_available", lambda: True)
+    assert not cuda_backend.kernel_policy(RuntimeEnv.read()).mma_int4_wgmma  # no Hopper GPU here
+    clean_env.setattr(cuda_backend, "mma_int4_wgmma_supported", lambda: True)
+    assert cuda_backend.kernel_policy(RuntimeEnv.read()).mma_int4_wgmma
+    clean_env.setenv("TINYLOOP_DISABLE_MMA_INT4", "1")
+    off = cuda_backend.kernel_policy(RuntimeEnv.read())
+    assert not off.mma_int4 and not off.mma_int4_wgmma

@@ -307,10 +307,12 @@ def _mma_int4_linear(policy: KernelPolicy, x: torch.Tensor, w: CudaMmaInt4Weight
     n_tiles, m_tiles = n_total // block_n, triton.cdiv(M, rows_x)
     if n_tiles * m_tiles > w.arrivals.numel():
         raise ValueError(f"{m_tiles} tiles of {rows_x} x rows exceed the copy's counters ({w.arrivals.numel()})")
-    splits, tiles_per_split = _k_splits(policy.mma_int4_programs, K // block_k, n_tiles * m_tiles)
+    wgmma = policy.mma_int4_uses_wgmma(n_total, K, M)
+    programs = policy.mma_int4_wgmma_programs if wgmma else policy.mma_int4_programs
+    splits, tiles_per_split = _k_splits(programs, K // block_k, n_tiles * m_tiles)
     part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
     squares = torch.empty((splits, M), dtype=torch.float32, device=x.device) if flags["NORM"] else part
-    module: Any = gluon_int4_wgmma if policy.mma_int4_uses_wgmma(M) else gluon_int4_mma
+    module: Any = gluon_int4_wgmma if wgmma else gluon_int4_mma
     kernel = module._int4_wgmma_kernel if module is gluon_int4_wgmma else module._int4_mma_kernel
     kernel[(n_tiles, splits, m_tiles)](
         x, w.words, w.pairs, nw, part, squares, w.arrivals, out, res, b, M, n_total, K, tiles_per_split, eps,

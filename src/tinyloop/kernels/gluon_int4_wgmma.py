@@ -1,12 +1,13 @@
-"""Gluon product of 32-64 rows of x times an INT4 matrix on Hopper's warpgroup tensor cores (wgmma), for batched
-decode steps too large for kernels/gluon_int4_mma.py.
+"""Gluon product of 8-32 rows of x times an INT4 matrix on Hopper's warpgroup tensor cores (wgmma), for batched
+decode steps.
 
-Why: that kernel gives each warp its own register copy of the x tile (the operand of every warp's mma.sync), so
-its instructions grow with the row count: at 64 rows a seed-407m product issues 0.7-1.5 warp instructions per
-weight byte (sm_90a, bench/int4_mma_sass.py) against ~0.31 that streaming at the memory's rate allows. Here x
-is staged once per program in shared memory, where the tensor cores read it for every warp (wgmma's B operand),
-and the decoded weights stay in registers as its A operand, so a program's instructions per K step are the
-weight decoding, x's staging and one wgmma per 16 columns, nearly flat in the row count.
+Why: kernels/gluon_int4_mma.py gives each warp its own register copy of the x tile (the operand of every warp's
+mma.sync), so its instructions grow with the row count: at 32 rows a seed-407m product issues 0.30-0.80 warp
+instructions per weight byte (sm_90a, bench/int4_mma_sass.py) against ~0.31 that streaming at the memory's rate
+allows. Here x is staged once per program in shared memory, where the tensor cores read it for every warp (wgmma's
+B operand), and the decoded weights stay in registers as its A operand, so a program's instructions per K step
+are the weight decoding, x's staging and one wgmma per 16 columns, nearly flat in the row count (0.19-0.30 at 32
+rows). `KernelPolicy.mma_int4_uses_wgmma` says which products take it.
 
 How the layouts line up: wgmma takes A from registers as pairs of consecutive K positions (k_width 2): a thread
 holds K = 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of each 16 (t = its lane % 4). The kernel relabels K so that those are

@@ -112,18 +112,18 @@ class KernelPolicy:
     # took 1.961 ms on it against 1.890 on tinygemm, and a batch-32 step 4.361 against 3.528 on the copies.
     mma_int4: bool = False
     mma_int4_min_rows: int = 8
-    mma_int4_max_rows: int = 16
+    mma_int4_max_rows: int = 32
     # The tensor-core INT4 kernel splits K until about this many programs run (four per SM of an H100): on an
     # H100 a seed-407m step of 8 rows took 2.035 ms against 2.236 at 264 programs, 16 rows 2.573 against 2.714
     # (the Ouro shape 8 rows 5.606 against 5.860, 16 rows 7.011 against 6.954; same call).
     mma_int4_programs: int = 528
-    # Steps of at least `mma_int4_wgmma_min_rows` rows on the tensor-core INT4 path take its warpgroup version
-    # (kernels/gluon_int4_wgmma.py: x staged once per program in shared memory, where wgmma reads it for every
-    # warp), where `mma_int4_wgmma` is on (sm_90: wgmma is Hopper's alone). Offline (sm_90a) its seed-407m
-    # products issue 0.19-0.30 warp instructions per weight byte at 32 rows and 0.25-0.39 at 64, against
-    # 0.30-0.80 and 0.45-1.52 for the mma.sync kernel.
+    # Products on the tensor-core INT4 path take its warpgroup version (kernels/gluon_int4_wgmma.py: x staged once
+    # per program in shared memory, where wgmma reads it for every warp) where `mma_int4_wgmma` is on (sm_90: wgmma
+    # is Hopper's alone) and `mma_int4_uses_wgmma` says so, with K split until about `mma_int4_wgmma_programs`
+    # programs run. H100, seed-407m's products (bench/int4_mma_rows.py): 8 rows QKV 7.8 µs and gate / up 10.2
+    # against 9.2 and 15.7 on the mma.sync kernel; 32 rows the layer's four 44.6 against 60.4 on cuBLAS's copies.
     mma_int4_wgmma: bool = False
-    mma_int4_wgmma_min_rows: int = 32
+    mma_int4_wgmma_programs: int = 264
     # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
     splitk_programs: int = 264
     # Cached attention (keys per block, warps) for heads of at least 128 and for narrower heads.
@@ -218,8 +218,10 @@ class KernelPolicy:
         if (n, k, rows) in self.mma_int4_tiles:
             return self.mma_int4_tiles[(n, k, rows)]
         rows_x = max(16, 1 << (rows - 1).bit_length())
-        if self.mma_int4_uses_wgmma(rows):
-            return (8, 1, 128, rows_x)
+        if self.mma_int4_uses_wgmma(n, k, rows):
+            if rows_x == 16:
+                return (8, 1, 128, 16)
+            return (4, 2, 128, rows_x) if rows_x == 32 or n > k else (8, 1, 64, rows_x)
         row_tiles = 2 if (n >= 8192 and rows >= 8) or (k >= 4096 and rows >= 16) else 1
         if rows_x == 64:
             return (4, row_tiles, 64, 64)
@@ -227,9 +229,14 @@ class KernelPolicy:
             return (4, 1, 256, 16)
         return (4, row_tiles, 128, rows_x)
 
-    def mma_int4_uses_wgmma(self, rows: int) -> bool:
-        """Whether a tensor-core INT4 product of `rows` rows runs the warpgroup (wgmma) kernel."""
-        return self.mma_int4_wgmma and rows >= self.mma_int4_wgmma_min_rows
+    def mma_int4_uses_wgmma(self, n: int, k: int, rows: int) -> bool:
+        """Whether a tensor-core INT4 product of `rows` rows times an [n, k] matrix runs the warpgroup (wgmma)
+        kernel: wide products (QKV, gate / up) from 8 rows, long-K ones (down) from 16, square ones (attention
+        output) from 32. The winners per product and row count on an H100 (bench/int4_mma_rows.py, seed-407m):
+        the mma.sync kernel keeps out at 8-16 rows (6.0-6.6 µs against 8.3-8.7) and down at 8 (8.0 against 9.7)."""
+        if not self.mma_int4_wgmma:
+            return False
+        return rows >= (8 if n > k else 16 if k > n else 32)
 
     def gluon_tile(self, n: int, k: int, act: int, rows: int = 1) -> tuple[int, int, int, int, int]:
         """(weight rows per thread, lanes along rows, blocks per thread, warps along rows, warps along blocks)
