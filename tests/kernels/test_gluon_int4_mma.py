@@ -124,13 +124,13 @@ def _shaped(n: int, k: int, group: int = 64) -> CudaMmaInt4Weight:
     return CudaMmaInt4Weight(words, pairs, group, torch.bfloat16, arrivals)
 
 
-def test_warpgroup_kernel_takes_wide_products_from_8_rows_long_ones_from_16_square_ones_from_32() -> None:
+def test_warpgroup_kernel_takes_wide_products_from_8_rows_long_ones_from_16_square_ones_past_16() -> None:
     policy = KernelPolicy(mma_int4=True, mma_int4_wgmma=True)
     qkv, gate_up, out, down = (6144, 2048), (11264, 2048), (2048, 2048), (2048, 5632)
     assert [policy.mma_int4_uses_wgmma(*qkv, rows) for rows in (7, 8)] == [False, True]
     assert policy.mma_int4_uses_wgmma(*gate_up, 8)
     assert [policy.mma_int4_uses_wgmma(*down, rows) for rows in (8, 16)] == [False, True]
-    assert [policy.mma_int4_uses_wgmma(*out, rows) for rows in (16, 32)] == [False, True]
+    assert [policy.mma_int4_uses_wgmma(*out, rows) for rows in (16, 17)] == [False, True]
     assert not KernelPolicy(mma_int4=True).mma_int4_uses_wgmma(*qkv, 32)
     # whole warpgroups (4 or 8 warps) and x tiles wgmma's N can take
     for shape in (qkv, gate_up, out, down):

@@ -232,11 +232,11 @@ class KernelPolicy:
     def mma_int4_uses_wgmma(self, n: int, k: int, rows: int) -> bool:
         """Whether a tensor-core INT4 product of `rows` rows times an [n, k] matrix runs the warpgroup (wgmma)
         kernel: wide products (QKV, gate / up) from 8 rows, long-K ones (down) from 16, square ones (attention
-        output) from 32. The winners per product and row count on an H100 (bench/int4_mma_rows.py, seed-407m):
+        output) past 16. The winners per product and row count on an H100 (bench/int4_mma_rows.py, seed-407m):
         the mma.sync kernel keeps out at 8-16 rows (6.0-6.6 µs against 8.3-8.7) and down at 8 (8.0 against 9.7)."""
         if not self.mma_int4_wgmma:
             return False
-        return rows >= (8 if n > k else 16 if k > n else 32)
+        return rows >= (8 if n > k else 16 if k > n else 17)
 
     def gluon_tile(self, n: int, k: int, act: int, rows: int = 1) -> tuple[int, int, int, int, int]:
         """(weight rows per thread, lanes along rows, blocks per thread, warps along rows, warps along blocks)
