@@ -103,13 +103,13 @@ class KernelPolicy:
     # 58.8 on the Gluon GEMV, 8 rows against 80.9 on the split-K kernel.
     dense_copy_min_rows: int = 3
     # Batched one-token steps of `mma_int4_min_rows` to `mma_int4_max_rows` sequences in 16-bit compute multiply
-    # the tensor-core INT4 kernel (kernels/gluon_int4_mma.py) on a copy of the INT4 matrices in its layout
-    # (quant.CudaMmaInt4Weight, as many bytes again), made on the first such step, where `mma_int4` is on (Hopper);
-    # it takes those steps before tinygemm and the 16-bit copies. H100, seed-407m's four layer products with the
-    # `mma_int4_tile` rules and 528 programs (bench/int4_mma_rows.py; docs/BENCHMARKS.md): 8 rows 38.6 us a layer
-    # against 54.4 on tinygemm and 57.8 on the copies, 16 rows 46.9 against 58.2 on the copies; level with tinygemm
-    # at 4 rows (40.2 against 39.9) and behind the copies at 32 (76.5 against 59.1). End to end a batch-4 step
-    # took 1.961 ms on it against 1.890 on tinygemm, and a batch-32 step 4.361 against 3.528 on the copies.
+    # the tensor-core INT4 kernels (kernels/gluon_int4_mma.py, and its warpgroup version below) on a copy of the INT4
+    # matrices in their layout (quant.CudaMmaInt4Weight, as many bytes again), made on the first such step, where
+    # `mma_int4` is on (Hopper); they take those steps before tinygemm and the 16-bit copies. H100, seed-407m's four
+    # layer products (bench/int4_mma_rows.py; docs/BENCHMARKS.md): 8 rows 32.0 µs a layer against 54.4 on tinygemm
+    # and 57.8 on the copies, 16 rows 37.4 against 58.2 on the copies, 32 rows 44.5 against 60.4; at 64 rows the
+    # copies are faster (61 against ~71). The mma.sync kernel alone was level with tinygemm at 4 rows (40.2 against
+    # 39.9): a batch-4 step took 1.961 ms on it against 1.890 on tinygemm.
     mma_int4: bool = False
     mma_int4_min_rows: int = 8
     mma_int4_max_rows: int = 32
