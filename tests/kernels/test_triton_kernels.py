@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import frob_rel_error, interpreter_policy
+from naive_reference import _rope
 from tinyloop.config import ArchConfig
 from tinyloop.kernels import cuda_ops
 from tinyloop.model.layers import apply_rope, rope_tables
@@ -80,6 +81,57 @@ BLOCKED_CASES = [
 
 
 @pytest.mark.parametrize(("dtype", "rows"), BLOCKED_CASES)
+def naive_one_token_attention(qkv, k_cache, v_cache, pos, cfg):  # type: ignore[no-untyped-def]
+    """float64, from the architecture description: each row's query and new key rotated at its position, the new
+    key and value written there, the query attending to positions 0..pos; out [B, H * hd] and the caches after."""
+    H, KVH, hd = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    k_ref, v_ref = k_cache.double(), v_cache.double()
+    out = torch.empty(qkv.shape[0], H * hd, dtype=torch.float64)
+    for b, p in enumerate(pos.tolist()):
+        q, k, v = qkv[b].double().split((H * hd, KVH * hd, KVH * hd))
+        q, k = _rope(q.view(1, H, hd), [p], cfg)[0], _rope(k.view(1, KVH, hd), [p], cfg)[0]
+        k_ref[b, :, p], v_ref[b, :, p] = k, v.view(KVH, hd)
+        for h in range(H):
+            keys, values = k_ref[b, h // (H // KVH), : p + 1], v_ref[b, h // (H // KVH), : p + 1]
+            out[b, h * hd : (h + 1) * hd] = torch.softmax(keys @ q[h] / hd**0.5, dim=0) @ values
+    return out, k_ref, v_ref
+
+
+@pytest.mark.parametrize("split", [(1, 128, 4), (1, 32, 2), (2, 32, 2), (4, 64, 4), (8, 16, 1)],
+                         ids=lambda t: "x".join(map(str, t)))  # fmt: skip
+@pytest.mark.parametrize("pairing", ["half", "interleaved"])
+def test_one_token_rope_attention_matches_float64_with_live_splits(pairing: str, split: tuple[int, int, int]) -> None:
+    """(splits, keys per block, warps) against the float64 reference, positions from an empty cache through one
+    block to several, so rows have one to all of their splits live; the split states poisoned first (a merge must
+    read only its live splits' rows); run twice, so the merge must have reset its arrival counts."""
+    B, H, KVH, hd, S = 6, 4, 2, 16, 300
+    gen = torch.Generator().manual_seed(4)
+    cfg = ArchConfig(
+        vocab_size=64, d_model=64, n_heads=H, n_kv_heads=KVH, head_dim=hd, ffn_dim=64,
+        n_prelude=0, n_body=1, n_coda=0, rope_pairing=pairing,
+    )  # fmt: skip
+    cos, sin = rope_tables(cfg, S, "cpu")
+    qkv = torch.randn(B, (H + 2 * KVH) * hd, generator=gen)
+    caches = torch.randn(B, KVH, S, hd, generator=gen), torch.randn(B, KVH, S, hd, generator=gen)
+    pos = torch.tensor([0, 7, 64, 65, 260, 299])
+    ref, k_ref, v_ref = naive_one_token_attention(qkv, *caches, pos, cfg)
+    splits, block, warps = split
+    if splits == 1:
+        policy = interpreter_policy(narrow_head_attention_tile=(block, warps), split_attention=None)
+    else:
+        policy = interpreter_policy(split_attention=split, split_attention_min_head_dim=16)
+        cuda_ops._split_scratch(qkv.device, B * H, splits, hd)[0].fill_(float("nan"))
+    ops = cuda_ops.CudaKernels(policy)  # type: ignore[arg-type]
+    k_cache, v_cache = (c.clone() for c in caches)
+    interleaved = pairing == "interleaved"
+    out = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, interleaved)
+    assert frob_rel_error(out, ref) <= 1e-6
+    assert frob_rel_error(k_cache, k_ref) <= 1e-7 and torch.equal(v_cache.double(), v_ref)
+    assert torch.equal(ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, interleaved), out)
+    if splits > 1:
+        assert not bool(cuda_ops._split_scratch(qkv.device, B * H, splits, hd)[1].any())
+
+
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_blocked_int4_gemv_matches_reference(dtype: torch.dtype, rows: int, group: int) -> None:
     """The blocked-layout kernels with every fusion, against the plain-layout weight's float64 product: the

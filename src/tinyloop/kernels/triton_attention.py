@@ -145,16 +145,28 @@ def _cached_attention_kernel(
 
 
 @triton.jit
-def _cached_block(k_cache, v_cache, s0, end, stride_cs, idx1, idx2, offs_d, BLOCK_S: tl.constexpr):
-    """Cached keys (as the two halves of each rotated pair, float32) and values at positions s0 .. s0 +
-    BLOCK_S - 1 below `end`, and that mask."""
+def _rotated(x_ptr, pos, cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The head vector at x_ptr rotated to position `pos`, whole ([HEAD_DIM], float32, in its own element
+    order): `_rotate` on the pair halves (contiguous loads), joined back."""
+    half, idx1, idx2 = _rope_pairs(HEAD_DIM, INTERLEAVED)
+    c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + half)
+    s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + half)
+    y1, y2 = _rotate(tl.load(x_ptr + idx1).to(tl.float32), tl.load(x_ptr + idx2).to(tl.float32), c, s)
+    pairs = tl.join(y1, y2)  # [HEAD_DIM / 2, 2]: element (i, 0) is x[idx1[i]], (i, 1) is x[idx2[i]]
+    if INTERLEAVED:
+        return tl.reshape(pairs, [HEAD_DIM])
+    return tl.reshape(tl.permute(pairs, [1, 0]), [HEAD_DIM])
+
+
+@triton.jit
+def _cached_block(k_cache, v_cache, s0, end, stride_cs, offs_d, BLOCK_S: tl.constexpr):
+    """Cached keys and values at positions s0 .. s0 + BLOCK_S - 1 below `end` (whole rows: one contiguous
+    load each), and that mask."""
     offs_s = s0 + tl.arange(0, BLOCK_S)
     s_mask = offs_s < end
-    kp = k_cache + offs_s[:, None] * stride_cs
-    ka = tl.load(kp + idx1[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
-    kb = tl.load(kp + idx2[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
+    k = tl.load(k_cache + offs_s[:, None] * stride_cs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
     v = tl.load(v_cache + offs_s[:, None] * stride_cs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    return ka, kb, v, s_mask
+    return k, v, s_mask
 
 
 @triton.jit
@@ -182,76 +194,88 @@ def _rope_attention_kernel(
     PDL: tl.constexpr,
 ):
     """One-token steps in one launch: program (b, h, split) ropes query head h and its kv head's new key,
-    attends to its split of cache positions 0..pos-1 (whole blocks of BLOCK_S; the last split also to the
-    new key/value, held in registers), and (split 0, first query head of each kv group) writes the new
+    attends to its split of cache positions 0..pos-1 (whole blocks of BLOCK_S; the last live split also to
+    the new key/value, held in registers), and (split 0, first query head of each kv group) writes the new
     key/value into the cache. No program reads cache position pos, so the write needs no ordering against
     the other programs. The split's first block of cached keys and values is loaded before the wait on the
     previous kernel (the qkv matmul): those positions were written by earlier steps, and the positions by
     the host before the step, so the loads overlap the matmul's tail.
 
-    SPLITS > 1: each split leaves its running max, sum and weighted values in part_ptr ([B, H, SPLITS,
-    HEAD_DIM + 2] float32) and counts itself in count_ptr ([B, H] int32, zero between launches); the split
-    that counts last merges the partial softmaxes, writes the output and zeroes the count again."""
+    The splits that pos leaves keys for are live (at least one); the others end at once, so a split count
+    chosen for long caches costs short ones nothing. One live split writes the output; several leave their
+    running max, sum and weighted values in part_ptr ([B, H, SPLITS, HEAD_DIM + 2] float32) and count
+    themselves in count_ptr ([B, H] int32, zero between launches); the live split that counts last merges
+    the partial softmaxes, writes the output and zeroes the count again."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    split = tl.program_id(2)
-    kvh = h // (N_HEADS // N_KV)
     pos = tl.load(pos_ptr + b)
-    span = tl.cdiv(tl.cdiv(pos, SPLITS), BLOCK_S) * BLOCK_S
+    if SPLITS == 1:
+        # No branch on the position around the loads: a few-program launch (the built-in model's 6 heads at one
+        # row) costs its latency, and one split is never dead.
+        _attend_split(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, part_ptr, count_ptr, scale,
+                      stride_qkv, stride_cb, stride_ch, stride_cs, b, h, pos, 0, pos + 1, 1, N_HEADS, N_KV, HEAD_DIM,
+                      INTERLEAVED, BLOCK_S, SPLITS, PDL)  # fmt: skip
+    else:
+        split = tl.program_id(2)
+        span = tl.maximum(tl.cdiv(tl.cdiv(pos, SPLITS), BLOCK_S), 1) * BLOCK_S
+        live = tl.maximum(tl.cdiv(pos, span), 1)
+        if split < live:
+            _attend_split(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, part_ptr, count_ptr, scale,
+                          stride_qkv, stride_cb, stride_ch, stride_cs, b, h, pos, split, span, live, N_HEADS, N_KV,
+                          HEAD_DIM, INTERLEAVED, BLOCK_S, SPLITS, PDL)  # fmt: skip
+
+
+@triton.jit
+def _attend_split(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, part_ptr, count_ptr, scale, stride_qkv,
+                  stride_cb, stride_ch, stride_cs, b, h, pos, split, span, live, N_HEADS: tl.constexpr,
+                  N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_S: tl.constexpr,
+                  SPLITS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Split `split` (live: one of the first `live`) of `_rope_attention_kernel`'s program (b, h): keys from
+    split * span to below pos, the new key with the last live split."""
+    kvh = h // (N_HEADS // N_KV)
     lo = split * span
     hi = tl.minimum(lo + span, pos)
-    half, idx1, idx2 = _rope_pairs(HEAD_DIM, INTERLEAVED)
     offs_d = tl.arange(0, HEAD_DIM)
     k_cache = k_cache_ptr + b * stride_cb + kvh * stride_ch
     v_cache = v_cache_ptr + b * stride_cb + kvh * stride_ch
-    ka, kb, v, s_mask = _cached_block(k_cache, v_cache, lo, hi, stride_cs, idx1, idx2, offs_d, BLOCK_S)
+    k, v, s_mask = _cached_block(k_cache, v_cache, lo, hi, stride_cs, offs_d, BLOCK_S)
     _wait_for_previous_kernel(PDL)
     row = qkv_ptr + b * stride_qkv
-    c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + half)
-    s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + half)
-    q_base = row + h * HEAD_DIM
-    q1 = tl.load(q_base + idx1).to(tl.float32)
-    q2 = tl.load(q_base + idx2).to(tl.float32)
-    k_base = row + (N_HEADS + kvh) * HEAD_DIM
-    k1 = tl.load(k_base + idx1).to(tl.float32)
-    k2 = tl.load(k_base + idx2).to(tl.float32)
-    v_new = tl.load(row + (N_HEADS + N_KV + kvh) * HEAD_DIM + offs_d)
     # Rounded to the cache dtype like the two-kernel path (rope_store then attention over the cache).
     dt = k_cache_ptr.dtype.element_ty
-    kr1, kr2 = _rotate(k1, k2, c, s)
-    kr1, kr2 = kr1.to(dt), kr2.to(dt)
-    qr1, qr2 = _rotate(q1, q2, c, s)
-    qr1 = qr1.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
-    qr2 = qr2.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
+    k_new = _rotated(row + (N_HEADS + kvh) * HEAD_DIM, pos, cos_ptr, sin_ptr, HEAD_DIM, INTERLEAVED).to(dt)
+    q = _rotated(row + h * HEAD_DIM, pos, cos_ptr, sin_ptr, HEAD_DIM, INTERLEAVED)
+    q = q.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
+    v_new = tl.load(row + (N_HEADS + N_KV + kvh) * HEAD_DIM + offs_d).to(dt)
     if split == 0 and h % (N_HEADS // N_KV) == 0:
-        tl.store(k_cache + pos * stride_cs + idx1, kr1)
-        tl.store(k_cache + pos * stride_cs + idx2, kr2)
-        tl.store(v_cache + pos * stride_cs + offs_d, v_new.to(dt))
-    new_score = tl.sum(kr1.to(tl.float32) * qr1, axis=0) + tl.sum(kr2.to(tl.float32) * qr2, axis=0)
-    holds_new = split == SPLITS - 1
+        tl.store(k_cache + pos * stride_cs + offs_d, k_new)
+        tl.store(v_cache + pos * stride_cs + offs_d, v_new)
+    holds_new = split == live - 1
     # A split without the new key may see no key at all: a finite floor keeps its state 0 instead of NaN.
-    m_i = tl.where(holds_new, new_score, -1.0e30)
+    m_i = tl.where(holds_new, tl.sum(k_new.to(tl.float32) * q, axis=0), -1.0e30)
     l_i = tl.where(holds_new, 1.0, 0.0)
-    acc = tl.where(holds_new, v_new.to(dt).to(tl.float32), 0.0)
-    scores = tl.sum(ka * qr1[None, :], axis=1) + tl.sum(kb * qr2[None, :], axis=1)
+    acc = tl.where(holds_new, v_new.to(tl.float32), 0.0)
+    scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
     m_i, l_i, acc = _softmax_block(tl.where(s_mask, scores, float("-inf")), v, m_i, l_i, acc)
     for s0 in range(lo + BLOCK_S, hi, BLOCK_S):
-        ka, kb, v, s_mask = _cached_block(k_cache, v_cache, s0, hi, stride_cs, idx1, idx2, offs_d, BLOCK_S)
-        scores = tl.sum(ka * qr1[None, :], axis=1) + tl.sum(kb * qr2[None, :], axis=1)
+        k, v, s_mask = _cached_block(k_cache, v_cache, s0, hi, stride_cs, offs_d, BLOCK_S)
+        scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
         m_i, l_i, acc = _softmax_block(tl.where(s_mask, scores, float("-inf")), v, m_i, l_i, acc)
     out_row = out_ptr + (b * N_HEADS + h) * HEAD_DIM + offs_d
     if SPLITS == 1:
         tl.store(out_row, (acc / l_i).to(out_ptr.dtype.element_ty))
+    elif live == 1:
+        tl.store(out_row, (acc / l_i).to(out_ptr.dtype.element_ty))
     else:
-        _merge_splits(part_ptr, count_ptr + b * N_HEADS + h, (b * N_HEADS + h) * SPLITS, split, m_i, l_i, acc,
-                      out_row, HEAD_DIM, SPLITS)  # fmt: skip
+        _merge_splits(part_ptr, count_ptr + b * N_HEADS + h, (b * N_HEADS + h) * SPLITS, split, live, m_i, l_i,
+                      acc, out_row, HEAD_DIM, SPLITS)  # fmt: skip
 
 
 @triton.jit
-def _merge_splits(part_ptr, count, first, split, m_i, l_i, acc, out_row, HEAD_DIM: tl.constexpr,
+def _merge_splits(part_ptr, count, first, split, live, m_i, l_i, acc, out_row, HEAD_DIM: tl.constexpr,
                   SPLITS: tl.constexpr):  # fmt: skip
-    """Leave this split's softmax state at part row first + split; the split that arrives last combines the
-    SPLITS rows into out_row and resets the arrival count."""
+    """Leave this split's softmax state at part row first + split; the split that arrives last of the `live`
+    ones combines their rows into out_row and resets the arrival count."""
     width: tl.constexpr = HEAD_DIM + 2
     offs_d = tl.arange(0, HEAD_DIM)
     mine = part_ptr + (first + split) * width
@@ -260,12 +284,14 @@ def _merge_splits(part_ptr, count, first, split, m_i, l_i, acc, out_row, HEAD_DI
     tl.store(mine + HEAD_DIM + 1, l_i)
     tl.debug_barrier()  # every thread's part written before the count says so
     arrived = tl.atomic_add(count, 1, sem="acq_rel")
-    if arrived == SPLITS - 1:
-        rows = part_ptr + (first + tl.arange(0, SPLITS)) * width
-        m = tl.load(rows + HEAD_DIM, cache_modifier=".cg")
-        w = tl.exp(m - tl.max(m, axis=0))  # the last split holds the new key: the max is finite
-        total = tl.sum(w * tl.load(rows + HEAD_DIM + 1, cache_modifier=".cg"), axis=0)
-        parts = tl.load(rows[:, None] + offs_d[None, :], cache_modifier=".cg")
+    if arrived == live - 1:
+        offs_p = tl.arange(0, SPLITS)
+        written = offs_p < live  # rows past `live` hold an earlier launch's states
+        rows = part_ptr + (first + offs_p) * width
+        m = tl.load(rows + HEAD_DIM, mask=written, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp(m - tl.max(m, axis=0))  # the last live split holds the new key: the max is finite
+        total = tl.sum(w * tl.load(rows + HEAD_DIM + 1, mask=written, other=0.0, cache_modifier=".cg"), axis=0)
+        parts = tl.load(rows[:, None] + offs_d[None, :], mask=written[:, None], other=0.0, cache_modifier=".cg")
         out = tl.sum(w[:, None] * parts, axis=0) / total
         tl.store(out_row, out.to(out_row.dtype.element_ty))
         tl.atomic_xchg(count, 0)
