@@ -210,11 +210,8 @@ def _rope_attention_kernel(
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + b)
     if SPLITS == 1:
-        # No branch on the position around the loads: a few-program launch (the built-in model's 6 heads at one
-        # row) costs its latency, and one split is never dead.
-        _attend_split(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, part_ptr, count_ptr, scale,
-                      stride_qkv, stride_cb, stride_ch, stride_cs, b, h, pos, 0, pos + 1, 1, N_HEADS, N_KV, HEAD_DIM,
-                      INTERLEAVED, BLOCK_S, SPLITS, PDL)  # fmt: skip
+        _attend_all(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, scale, stride_qkv, stride_cb,
+                    stride_ch, stride_cs, b, h, pos, N_HEADS, N_KV, HEAD_DIM, INTERLEAVED, BLOCK_S, PDL)  # fmt: skip
     else:
         split = tl.program_id(2)
         span = tl.maximum(tl.cdiv(tl.cdiv(pos, SPLITS), BLOCK_S), 1) * BLOCK_S
@@ -223,6 +220,62 @@ def _rope_attention_kernel(
             _attend_split(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, part_ptr, count_ptr, scale,
                           stride_qkv, stride_cb, stride_ch, stride_cs, b, h, pos, split, span, live, N_HEADS, N_KV,
                           HEAD_DIM, INTERLEAVED, BLOCK_S, SPLITS, PDL)  # fmt: skip
+
+
+@triton.jit
+def _attend_all(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, scale, stride_qkv, stride_cb,
+                stride_ch, stride_cs, b, h, pos, N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
+                INTERLEAVED: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """`_rope_attention_kernel`'s program (b, h) when one program takes all of a row's keys (narrow heads: the
+    built-in model): keys loaded as the two halves of each rotated pair and the query kept as halves, no branch
+    on the position around the loads. On an H100 the whole-row form of `_attend_split` made the built-in model's
+    one-row step 6 % slower (0.539 against 0.509 ms): its few programs pay the query's regrouping in latency."""
+    kvh = h // (N_HEADS // N_KV)
+    half, idx1, idx2 = _rope_pairs(HEAD_DIM, INTERLEAVED)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_cache = k_cache_ptr + b * stride_cb + kvh * stride_ch
+    v_cache = v_cache_ptr + b * stride_cb + kvh * stride_ch
+    ka, kb, v, s_mask = _cached_halves(k_cache, v_cache, 0, pos, stride_cs, idx1, idx2, offs_d, BLOCK_S)
+    _wait_for_previous_kernel(PDL)
+    row = qkv_ptr + b * stride_qkv
+    c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + half)
+    s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + half)
+    q_base = row + h * HEAD_DIM
+    k_base = row + (N_HEADS + kvh) * HEAD_DIM
+    dt = k_cache_ptr.dtype.element_ty
+    kr1, kr2 = _rotate(tl.load(k_base + idx1).to(tl.float32), tl.load(k_base + idx2).to(tl.float32), c, s)
+    kr1, kr2 = kr1.to(dt), kr2.to(dt)
+    qr1, qr2 = _rotate(tl.load(q_base + idx1).to(tl.float32), tl.load(q_base + idx2).to(tl.float32), c, s)
+    qr1 = qr1.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
+    qr2 = qr2.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
+    v_new = tl.load(row + (N_HEADS + N_KV + kvh) * HEAD_DIM + offs_d).to(dt)
+    if h % (N_HEADS // N_KV) == 0:
+        tl.store(k_cache + pos * stride_cs + idx1, kr1)
+        tl.store(k_cache + pos * stride_cs + idx2, kr2)
+        tl.store(v_cache + pos * stride_cs + offs_d, v_new)
+    m_i = tl.sum(kr1.to(tl.float32) * qr1, axis=0) + tl.sum(kr2.to(tl.float32) * qr2, axis=0)
+    l_i = tl.full((), 1.0, tl.float32)
+    acc = v_new.to(tl.float32)
+    scores = tl.sum(ka * qr1[None, :], axis=1) + tl.sum(kb * qr2[None, :], axis=1)
+    m_i, l_i, acc = _softmax_block(tl.where(s_mask, scores, float("-inf")), v, m_i, l_i, acc)
+    for s0 in range(BLOCK_S, pos, BLOCK_S):
+        ka, kb, v, s_mask = _cached_halves(k_cache, v_cache, s0, pos, stride_cs, idx1, idx2, offs_d, BLOCK_S)
+        scores = tl.sum(ka * qr1[None, :], axis=1) + tl.sum(kb * qr2[None, :], axis=1)
+        m_i, l_i, acc = _softmax_block(tl.where(s_mask, scores, float("-inf")), v, m_i, l_i, acc)
+    tl.store(out_ptr + (b * N_HEADS + h) * HEAD_DIM + offs_d, (acc / l_i).to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _cached_halves(k_cache, v_cache, s0, end, stride_cs, idx1, idx2, offs_d, BLOCK_S: tl.constexpr):
+    """Cached keys (as the two halves of each rotated pair, float32) and values at positions s0 .. s0 +
+    BLOCK_S - 1 below `end`, and that mask."""
+    offs_s = s0 + tl.arange(0, BLOCK_S)
+    s_mask = offs_s < end
+    kp = k_cache + offs_s[:, None] * stride_cs
+    ka = tl.load(kp + idx1[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
+    kb = tl.load(kp + idx2[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
+    v = tl.load(v_cache + offs_s[:, None] * stride_cs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    return ka, kb, v, s_mask
 
 
 @triton.jit
@@ -262,9 +315,7 @@ def _attend_split(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, 
         scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
         m_i, l_i, acc = _softmax_block(tl.where(s_mask, scores, float("-inf")), v, m_i, l_i, acc)
     out_row = out_ptr + (b * N_HEADS + h) * HEAD_DIM + offs_d
-    if SPLITS == 1:
-        tl.store(out_row, (acc / l_i).to(out_ptr.dtype.element_ty))
-    elif live == 1:
+    if live == 1:
         tl.store(out_row, (acc / l_i).to(out_ptr.dtype.element_ty))
     else:
         _merge_splits(part_ptr, count_ptr + b * N_HEADS + h, (b * N_HEADS + h) * SPLITS, split, live, m_i, l_i,
