@@ -93,13 +93,16 @@ def mma_int4_supported() -> bool:
 
 
 def mma_int4_wgmma_supported() -> bool:
-    """The warpgroup version of the tensor-core INT4 kernel: a Hopper GPU (wgmma is sm_90's alone) and a Triton
-    whose Gluon has it."""
-    from tinyloop.kernels import gluon_int4_wgmma
+    """The tensor-core INT4 kernel's warpgroup version: a Hopper GPU (wgmma is sm_90's alone) and a Triton whose
+    Gluon has it."""
+    from tinyloop.kernels import gluon_int4_mma
 
-    if torch.cuda.is_available() and torch.cuda.get_device_capability()[0] > 9:
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
         return False
-    return _kernel_module_usable(9, gluon_int4_wgmma, "the warpgroup INT4 kernel", "no Gluon wgmma in this Triton")
+    if not gluon_int4_mma.wgmma_available():
+        info("the tensor-core INT4 kernel's warpgroup version is unavailable (no Gluon wgmma in this Triton)")
+        return False
+    return True
 
 
 def pdl_supported() -> bool:

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tinyloop.kernels import gluon_int4_mma, gluon_int4_wgmma, persistent_mlp
+from tinyloop.kernels import gluon_int4_mma, persistent_mlp
 from tinyloop.kernels.dispatch import Weight
 from tinyloop.kernels.policy import ACT_GELU, ACT_NONE, ACT_SWIGLU, KernelPolicy
 from tinyloop.kernels.triton_attention import _cached_attention_kernel, _rope_attention_kernel, _rope_store_kernel
@@ -312,13 +312,11 @@ def _mma_int4_linear(policy: KernelPolicy, x: torch.Tensor, w: CudaMmaInt4Weight
     splits, tiles_per_split = _k_splits(programs, K // block_k, n_tiles * m_tiles)
     part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
     squares = torch.empty((splits, M), dtype=torch.float32, device=x.device) if flags["NORM"] else part
-    module: Any = gluon_int4_wgmma if wgmma else gluon_int4_mma
-    kernel = module._int4_wgmma_kernel if module is gluon_int4_wgmma else module._int4_mma_kernel
-    kernel[(n_tiles, splits, m_tiles)](
+    gluon_int4_mma._int4_mma_kernel[(n_tiles, splits, m_tiles)](
         x, w.words, w.pairs, nw, part, squares, w.arrivals, out, res, b, M, n_total, K, tiles_per_split, eps,
         x.stride(0), K // 8, K // w.group_size, out.stride(0), res.stride(0), GROUP=w.group_size, NORM=flags["NORM"],
         BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"], BN=block_n, BK=block_k, MP=rows_x,
-        **module.layouts(warps, row_tiles, block_k, rows_x), num_warps=warps, **policy.pdl_options(),
+        **gluon_int4_mma.layouts(warps, row_tiles, block_k, rows_x, wgmma), num_warps=warps, **policy.pdl_options(),
     )  # fmt: skip
     return out
 

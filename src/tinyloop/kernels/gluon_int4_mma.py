@@ -15,6 +15,16 @@ memory because the matrix is kept in `quant.CudaMmaInt4Weight`'s plain column or
 word in the order the decoding emits (`quant.MMA_NIBBLE_OF_COLUMN`). Gluon checks that every layout conversion is a
 relabelling (`assert_trivial`).
 
+On Hopper the same kernel has a warpgroup version (`WGMMA`) for the products where it is faster (chosen by
+`KernelPolicy.mma_int4_uses_wgmma`): mma.sync's operand layout gives each warp its own register copy of the x tile,
+so x's loads (and its norm) are repeated in every warp and the instructions grow with the row count (at 32 rows a
+seed-407m product issues 0.30-0.80 warp instructions per weight byte, sm_90a, bench/int4_mma_sass.py, against ~0.31
+that streaming at the memory's rate allows). The warpgroup version stages x once per program in shared memory,
+where wgmma reads it for every warp as its B operand, and keeps the decoded weights in registers as its A operand
+(0.19-0.30 at 32 rows). wgmma takes A as pairs of consecutive K positions (a thread holds K = 2t, 2t+1, 2t+8, 2t+9
+of each 16), so that version relabels K (`_in_wgmma_k_order`: a word's 8 columns become pairs 0, 8 and 16 apart) and
+stores x in shared memory in the same order.
+
 Weights are decoded to 16 bits as (q - 8) * scale + zero in one rounding (scale and zero = minimum + 8 scale
 rounded to 16 bits, as torch's tinygemm does: the centred zero is small, so its rounding costs little), the
 products are accumulated in float32 over a K split, and the last program to finish a tile of output features
@@ -30,6 +40,7 @@ import functools
 from typing import Any
 
 from tinyloop.kernels import triton_matmul
+from tinyloop.kernels.gluon_hopper import fence_async_shared, warpgroup_mma
 
 try:  # Gluon is experimental: absent from older Triton, and its API moves between releases
     from triton.experimental import gluon
@@ -50,6 +61,11 @@ except Exception as exc:  # pragma: no cover - depends on the installed Triton
 
 def available() -> bool:
     return gluon is not None and mma_v2 is not None and hasattr(gl, "DistributedLinearLayout")
+
+
+def wgmma_available() -> bool:
+    """Whether the installed Triton's Gluon can build the warpgroup version."""
+    return available() and warpgroup_mma is not None and fence_async_shared is not None
 
 
 def _jit(fn: Any) -> Any:
@@ -90,9 +106,10 @@ def _log2(n: int) -> int:
 
 
 @functools.cache
-def layouts(warps: int, row_tiles: int, block_k: int, rows_x: int) -> dict[str, Any]:
-    """The register layouts of a program with `warps` warps, each multiplying `row_tiles` tiles of 16 weight
-    rows, over `block_k` columns per step, with `rows_x` rows of x (16-64).
+def layouts(warps: int, row_tiles: int, block_k: int, rows_x: int, wgmma: bool = False) -> dict[str, Any]:
+    """The layouts of a program with `warps` warps, each multiplying `row_tiles` tiles of 16 weight rows, over
+    `block_k` columns per step, with `rows_x` rows of x (16-64); `wgmma`: the warpgroup version (whole
+    warpgroups of warps), whose XL is x's loading layout, MMA its accumulator and XS x's shared-memory layout.
 
     W3: the decoded words [weight rows, block_k / 8 words, 8 columns]; a thread holds block_k / 32 consecutive
     words of two rows (r and r + 8) of each of its row tiles. XL: the x tile [rows_x, block_k] as it is loaded
@@ -123,7 +140,17 @@ def layouts(warps: int, row_tiles: int, block_k: int, rows_x: int) -> dict[str, 
     )
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
     finish = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8], warps_per_cta=[warps, 1], order=[1, 0])
-    return {"W3": words3, "XL": x_tile, "MMA": mma, "FIN": finish}
+    if not wgmma:
+        return {"W3": words3, "XL": x_tile, "MMA": mma, "FIN": finish, "XS": None, "WGMMA": False}
+    columns = min(32, block_k // 8)
+    return {
+        "W3": words3,
+        "XL": gl.BlockedLayout([1, 8], [32 // columns, columns], [warps, 1], [1, 0]),
+        "MMA": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, rows_x, 16]),
+        "FIN": finish,
+        "XS": gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2),
+        "WGMMA": True,
+    }
 
 
 @_jit
@@ -147,6 +174,15 @@ def _in_k_order(t, ROWS: gl.constexpr, BK: gl.constexpr):
     """[ROWS, BK / 8 words, 8] (or [ROWS, BK] in that order) -> [ROWS, BK] in the MMA's K order: word w of a
     thread's 4 lanes x BK / 32 words becomes K block (w % (BK / 32)) * 4 + w // (BK / 32)."""
     return gl.reshape(gl.permute(gl.reshape(t, [ROWS, 4, BK // 32, 8]), [0, 2, 1, 3]), [ROWS, BK])
+
+
+@_jit
+def _in_wgmma_k_order(t, ROWS: gl.constexpr, BK: gl.constexpr):
+    """[ROWS, BK / 8 words, 8] (or [ROWS, BK] in that column order) -> [ROWS, BK] in wgmma's K order. Column
+    c = 8 (w + BK / 32 * l) + n (word w of the BK / 32 a thread of lane l % 4 = l holds, nibble n) becomes
+    K = 32 w + 16 n2 + 8 n1 + 4 l1 + 2 l0 + n0."""
+    bits = gl.reshape(t, [ROWS, 2, 2, BK // 32, 2, 2, 2])  # l1, l0, w, n2, n1, n0
+    return gl.reshape(gl.permute(bits, [0, 3, 4, 5, 1, 2, 6]), [ROWS, BK])
 
 
 @_jit
@@ -196,6 +232,8 @@ def _int4_mma_kernel(
     XL: gl.constexpr,
     MMA: gl.constexpr,
     FIN: gl.constexpr,
+    XS: gl.constexpr,
+    WGMMA: gl.constexpr,
     PDL: gl.constexpr,
 ):
     """Program (n, s, m): weight rows n * BN.. times x rows m * MP.. over K tiles s * tiles_per_split.. (of BK
@@ -203,9 +241,10 @@ def _int4_mma_kernel(
     finishes it into `out`. With NORM, x is multiplied by the norm gain here and by 1 / rms when finishing, from
     the sums of squares of x over each split (squares[s, x rows], the same from every tile's programs).
     With ACT 1 (SwiGLU) the weight holds [gate; up] rows and a tile's features need both halves' programs.
-    N % BN == 0, (N / 2) % BN == 0 for SwiGLU, and K % BK == 0 (the launcher checks)."""
+    N % BN == 0, (N / 2) % BN == 0 for SwiGLU, and K % BK == 0 (the launcher checks). WGMMA: x (times the norm
+    gain with NORM) is staged in shared memory once per K step for wgmma."""
     LW: gl.constexpr = gl.SliceLayout(2, W3)
-    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8)
+    LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2 if WGMMA else 8)
     LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
     dt: gl.constexpr = x_ptr.dtype.element_ty
     F16: gl.constexpr = dt == gl.float16
@@ -220,6 +259,8 @@ def _int4_mma_kernel(
     xc = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
     x_tile = x_ptr + xm[:, None] * stride_xm + xc[None, :]
     x_mask = (xm < M)[:, None]
+    if WGMMA:
+        x_shared = gl.allocate_shared_memory(dt, [MP, BK], XS)
     # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait.
     words = gl.load(w_tile + t_begin * (BK // 8))
     pairs = gl.load(g_tile + t_begin * (BK // GROUP))
@@ -240,10 +281,18 @@ def _int4_mma_kernel(
             squares += gl.sum(x32 * x32, axis=1)
             gain = gl.load(nw_ptr + t * BK + xc)
             cur_x = (cur_x.to(gl.float32) * gain.to(gl.float32)[None, :]).to(dt)
-        xt = gl.convert_layout(gl.permute(_in_k_order(cur_x, MP, BK), [1, 0]), LB, assert_trivial=True)
-        w = _in_k_order(_dequantize(cur_words, cur_pairs, W3, F16), BN, BK)
-        w = gl.convert_layout(w, LA, assert_trivial=True)
-        acc = mma_v2(w, xt, acc)
+        if WGMMA:
+            gl.thread_barrier()  # the previous step's wgmma has read x_shared in every warp
+            x_shared.store(_in_wgmma_k_order(cur_x, MP, BK))
+            fence_async_shared()
+            gl.thread_barrier()
+            w = _in_wgmma_k_order(_dequantize(cur_words, cur_pairs, W3, F16), BN, BK)
+            acc = warpgroup_mma(gl.convert_layout(w, LA, assert_trivial=True), x_shared.permute((1, 0)), acc)
+        else:
+            xt = gl.convert_layout(gl.permute(_in_k_order(cur_x, MP, BK), [1, 0]), LB, assert_trivial=True)
+            w = _in_k_order(_dequantize(cur_words, cur_pairs, W3, F16), BN, BK)
+            w = gl.convert_layout(w, LA, assert_trivial=True)
+            acc = mma_v2(w, xt, acc)
     offs_n = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
     offs_m = gl.program_id(2) * MP + gl.arange(0, MP, layout=gl.SliceLayout(0, MMA))
     part = part_ptr + gl.program_id(1) * M * N + offs_m[None, :] * N + offs_n[:, None]

@@ -117,11 +117,11 @@ class KernelPolicy:
     # H100 a seed-407m step of 8 rows took 2.035 ms against 2.236 at 264 programs, 16 rows 2.573 against 2.714
     # (the Ouro shape 8 rows 5.606 against 5.860, 16 rows 7.011 against 6.954; same call).
     mma_int4_programs: int = 528
-    # Products on the tensor-core INT4 path take its warpgroup version (kernels/gluon_int4_wgmma.py: x staged once
+    # Products on the tensor-core INT4 path take its warpgroup version (kernels/gluon_int4_mma.py, WGMMA: x staged once
     # per program in shared memory, where wgmma reads it for every warp) where `mma_int4_wgmma` is on (sm_90: wgmma
     # is Hopper's alone) and `mma_int4_uses_wgmma` says so, with K split until about `mma_int4_wgmma_programs`
     # programs run. H100, seed-407m's products (bench/int4_mma_rows.py): 8 rows QKV 7.8 µs and gate / up 10.2
-    # against 9.2 and 15.7 on the mma.sync kernel; 32 rows the layer's four 44.6 against 60.4 on cuBLAS's copies.
+    # against 9.2 and 15.7 on the mma.sync kernel; 32 rows the layer's four 44.5 against 60.4 on cuBLAS's copies.
     mma_int4_wgmma: bool = False
     mma_int4_wgmma_programs: int = 264
     # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
