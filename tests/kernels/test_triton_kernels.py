@@ -81,6 +81,21 @@ BLOCKED_CASES = [
 
 
 @pytest.mark.parametrize(("dtype", "rows"), BLOCKED_CASES)
+def one_token_problem(pairing: str, rows: int):  # type: ignore[no-untyped-def]
+    """A one-token attention problem of 4 query heads and 2 kv heads of 16 over caches of 300 positions:
+    (config, RoPE tables, qkv rows, (keys, values))."""
+    H, KVH, hd, S = 4, 2, 16, 300
+    gen = torch.Generator().manual_seed(4)
+    cfg = ArchConfig(
+        vocab_size=64, d_model=64, n_heads=H, n_kv_heads=KVH, head_dim=hd, ffn_dim=64,
+        n_prelude=0, n_body=1, n_coda=0, rope_pairing=pairing,
+    )  # fmt: skip
+    cos, sin = rope_tables(cfg, S, "cpu")
+    qkv = torch.randn(rows, (H + 2 * KVH) * hd, generator=gen)
+    caches = torch.randn(rows, KVH, S, hd, generator=gen), torch.randn(rows, KVH, S, hd, generator=gen)
+    return cfg, cos, sin, qkv, caches
+
+
 def naive_one_token_attention(qkv, k_cache, v_cache, pos, cfg):  # type: ignore[no-untyped-def]
     """float64, from the architecture description: each row's query and new key rotated at its position, the new
     key and value written there, the query attending to positions 0..pos; out [B, H * hd] and the caches after."""
@@ -104,15 +119,8 @@ def test_one_token_rope_attention_matches_float64_with_live_splits(pairing: str,
     """(splits, keys per block, warps) against the float64 reference, positions from an empty cache through one
     block to several, so rows have one to all of their splits live; the split states poisoned first (a merge must
     read only its live splits' rows); run twice, so the merge must have reset its arrival counts."""
-    B, H, KVH, hd, S = 6, 4, 2, 16, 300
-    gen = torch.Generator().manual_seed(4)
-    cfg = ArchConfig(
-        vocab_size=64, d_model=64, n_heads=H, n_kv_heads=KVH, head_dim=hd, ffn_dim=64,
-        n_prelude=0, n_body=1, n_coda=0, rope_pairing=pairing,
-    )  # fmt: skip
-    cos, sin = rope_tables(cfg, S, "cpu")
-    qkv = torch.randn(B, (H + 2 * KVH) * hd, generator=gen)
-    caches = torch.randn(B, KVH, S, hd, generator=gen), torch.randn(B, KVH, S, hd, generator=gen)
+    B, H, KVH, hd = 6, 4, 2, 16
+    cfg, cos, sin, qkv, caches = one_token_problem(pairing, B)
     pos = torch.tensor([0, 7, 64, 65, 260, 299])
     ref, k_ref, v_ref = naive_one_token_attention(qkv, *caches, pos, cfg)
     splits, block, warps = split
@@ -373,15 +381,8 @@ def test_one_token_rope_attention_equals_two_kernels(
     keys (positions 0 and 7 leave splits empty), twice, so the arrival counts must have been reset."""
     policy = interpreter_policy(narrow_head_attention_tile=tile, split_attention=split, split_attention_min_head_dim=16)
     ops = cuda_ops.CudaKernels(policy)  # type: ignore[arg-type]
-    B, H, KVH, hd, S = 3, 4, 2, 16, 300
-    gen = torch.Generator().manual_seed(4)
-    cfg = ArchConfig(
-        vocab_size=64, d_model=64, n_heads=H, n_kv_heads=KVH, head_dim=hd, ffn_dim=64,
-        n_prelude=0, n_body=1, n_coda=0, rope_pairing=pairing,
-    )  # fmt: skip
-    cos, sin = rope_tables(cfg, S, "cpu")
-    qkv = torch.randn(B, (H + 2 * KVH) * hd, generator=gen)
-    k_cache, v_cache = torch.randn(B, KVH, S, hd, generator=gen), torch.randn(B, KVH, S, hd, generator=gen)
+    B, H, KVH, hd = 3, 4, 2, 16
+    _, cos, sin, qkv, (k_cache, v_cache) = one_token_problem(pairing, B)
     k2, v2 = k_cache.clone(), v_cache.clone()
     pos = torch.tensor([0, 7, 260])
     out = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, pairing == "interleaved")
