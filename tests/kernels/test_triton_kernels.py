@@ -80,7 +80,6 @@ BLOCKED_CASES = [
 ]
 
 
-@pytest.mark.parametrize(("dtype", "rows"), BLOCKED_CASES)
 def one_token_problem(pairing: str, rows: int):  # type: ignore[no-untyped-def]
     """A one-token attention problem of 4 query heads and 2 kv heads of 16 over caches of 300 positions:
     (config, RoPE tables, qkv rows, (keys, values))."""
@@ -140,6 +139,7 @@ def test_one_token_rope_attention_matches_float64_with_live_splits(pairing: str,
         assert not bool(cuda_ops._split_scratch(qkv.device, B * H, splits, hd)[1].any())
 
 
+@pytest.mark.parametrize(("dtype", "rows"), BLOCKED_CASES)
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_blocked_int4_gemv_matches_reference(dtype: torch.dtype, rows: int, group: int) -> None:
     """The blocked-layout kernels with every fusion, against the plain-layout weight's float64 product: the
