@@ -159,14 +159,33 @@ def _rotated(x_ptr, pos, cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr, INTERLEAVED: 
 
 
 @triton.jit
-def _cached_block(k_cache, v_cache, s0, end, stride_cs, offs_d, BLOCK_S: tl.constexpr):
-    """Cached keys and values at positions s0 .. s0 + BLOCK_S - 1 below `end` (whole rows: one contiguous
-    load each), and that mask."""
+def _cached_block(k_cache, v_cache, s0, end, stride_cs, idx1, idx2, offs_d, WHOLE_ROWS: tl.constexpr,
+                  BLOCK_S: tl.constexpr):  # fmt: skip
+    """Cached keys and values at positions s0 .. s0 + BLOCK_S - 1 below `end`, and that mask. Keys (ka, kb) as
+    whole rows (one contiguous load each, in the cache's dtype; kb is ka) or as the two halves of each rotated
+    pair (float32)."""
     offs_s = s0 + tl.arange(0, BLOCK_S)
     s_mask = offs_s < end
-    k = tl.load(k_cache + offs_s[:, None] * stride_cs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+    kp = k_cache + offs_s[:, None] * stride_cs
+    if WHOLE_ROWS:
+        ka = tl.load(kp + offs_d[None, :], mask=s_mask[:, None], other=0.0)
+        kb = ka
+    else:
+        ka = tl.load(kp + idx1[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
+        kb = tl.load(kp + idx2[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
     v = tl.load(v_cache + offs_s[:, None] * stride_cs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    return k, v, s_mask
+    return ka, kb, v, s_mask
+
+
+@triton.jit
+def _scores(ka, kb, q1, q2, s_mask, WHOLE_ROWS: tl.constexpr):
+    """The query (q1, q2 as `_cached_block` holds keys; q2 unused for whole rows) against a block of keys;
+    masked keys -inf."""
+    if WHOLE_ROWS:
+        scores = tl.sum(ka.to(tl.float32) * q1[None, :], axis=1)
+    else:
+        scores = tl.sum(ka * q1[None, :], axis=1) + tl.sum(kb * q2[None, :], axis=1)
+    return tl.where(s_mask, scores, float("-inf"))
 
 
 @triton.jit
@@ -210,110 +229,75 @@ def _rope_attention_kernel(
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + b)
     if SPLITS == 1:
-        _attend_all(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, scale, stride_qkv, stride_cb,
-                    stride_ch, stride_cs, b, h, pos, N_HEADS, N_KV, HEAD_DIM, INTERLEAVED, BLOCK_S, PDL)  # fmt: skip
+        # Keys as rotation halves: for the few programs of one split per head (narrow heads: the built-in model)
+        # whole rows cost the query's regrouping in latency (H100: its one-row step 0.539 against 0.509 ms).
+        _attend(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, part_ptr, count_ptr, scale, stride_qkv,
+                stride_cb, stride_ch, stride_cs, b, h, pos, 0, 0, pos, 1, N_HEADS, N_KV, HEAD_DIM, INTERLEAVED,
+                BLOCK_S, SPLITS, False, PDL)  # fmt: skip
     else:
         split = tl.program_id(2)
         span = tl.maximum(tl.cdiv(tl.cdiv(pos, SPLITS), BLOCK_S), 1) * BLOCK_S
         live = tl.maximum(tl.cdiv(pos, span), 1)
         if split < live:
-            _attend_split(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, part_ptr, count_ptr, scale,
-                          stride_qkv, stride_cb, stride_ch, stride_cs, b, h, pos, split, span, live, N_HEADS, N_KV,
-                          HEAD_DIM, INTERLEAVED, BLOCK_S, SPLITS, PDL)  # fmt: skip
+            lo = split * span
+            _attend(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, part_ptr, count_ptr, scale,
+                    stride_qkv, stride_cb, stride_ch, stride_cs, b, h, pos, split, lo, tl.minimum(lo + span, pos), live,
+                    N_HEADS, N_KV, HEAD_DIM, INTERLEAVED, BLOCK_S, SPLITS, True, PDL)  # fmt: skip
 
 
 @triton.jit
-def _attend_all(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, scale, stride_qkv, stride_cb,
-                stride_ch, stride_cs, b, h, pos, N_HEADS: tl.constexpr, N_KV: tl.constexpr, HEAD_DIM: tl.constexpr,
-                INTERLEAVED: tl.constexpr, BLOCK_S: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """`_rope_attention_kernel`'s program (b, h) when one program takes all of a row's keys (narrow heads: the
-    built-in model): keys loaded as the two halves of each rotated pair and the query kept as halves, no branch
-    on the position around the loads. On an H100 the whole-row form of `_attend_split` made the built-in model's
-    one-row step 6 % slower (0.539 against 0.509 ms): its few programs pay the query's regrouping in latency."""
+def _attend(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, part_ptr, count_ptr, scale, stride_qkv,
+            stride_cb, stride_ch, stride_cs, b, h, pos, split, lo, hi, live, N_HEADS: tl.constexpr, N_KV: tl.constexpr,
+            HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr,
+            WHOLE_ROWS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+    """Split `split` (live: one of the first `live`) of `_rope_attention_kernel`'s program (b, h): cached keys lo
+    to below hi, the new key with the last live split; keys and the query as whole rows or rotation halves."""
     kvh = h // (N_HEADS // N_KV)
     half, idx1, idx2 = _rope_pairs(HEAD_DIM, INTERLEAVED)
     offs_d = tl.arange(0, HEAD_DIM)
     k_cache = k_cache_ptr + b * stride_cb + kvh * stride_ch
     v_cache = v_cache_ptr + b * stride_cb + kvh * stride_ch
-    ka, kb, v, s_mask = _cached_halves(k_cache, v_cache, 0, pos, stride_cs, idx1, idx2, offs_d, BLOCK_S)
+    ka, kb, v, s_mask = _cached_block(k_cache, v_cache, lo, hi, stride_cs, idx1, idx2, offs_d, WHOLE_ROWS, BLOCK_S)
     _wait_for_previous_kernel(PDL)
     row = qkv_ptr + b * stride_qkv
-    c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + half)
-    s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + half)
     q_base = row + h * HEAD_DIM
     k_base = row + (N_HEADS + kvh) * HEAD_DIM
-    dt = k_cache_ptr.dtype.element_ty
-    kr1, kr2 = _rotate(tl.load(k_base + idx1).to(tl.float32), tl.load(k_base + idx2).to(tl.float32), c, s)
-    kr1, kr2 = kr1.to(dt), kr2.to(dt)
-    qr1, qr2 = _rotate(tl.load(q_base + idx1).to(tl.float32), tl.load(q_base + idx2).to(tl.float32), c, s)
-    qr1 = qr1.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
-    qr2 = qr2.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
-    v_new = tl.load(row + (N_HEADS + N_KV + kvh) * HEAD_DIM + offs_d).to(dt)
-    if h % (N_HEADS // N_KV) == 0:
-        tl.store(k_cache + pos * stride_cs + idx1, kr1)
-        tl.store(k_cache + pos * stride_cs + idx2, kr2)
-        tl.store(v_cache + pos * stride_cs + offs_d, v_new)
-    m_i = tl.sum(kr1.to(tl.float32) * qr1, axis=0) + tl.sum(kr2.to(tl.float32) * qr2, axis=0)
-    l_i = tl.full((), 1.0, tl.float32)
-    acc = v_new.to(tl.float32)
-    scores = tl.sum(ka * qr1[None, :], axis=1) + tl.sum(kb * qr2[None, :], axis=1)
-    m_i, l_i, acc = _softmax_block(tl.where(s_mask, scores, float("-inf")), v, m_i, l_i, acc)
-    for s0 in range(BLOCK_S, pos, BLOCK_S):
-        ka, kb, v, s_mask = _cached_halves(k_cache, v_cache, s0, pos, stride_cs, idx1, idx2, offs_d, BLOCK_S)
-        scores = tl.sum(ka * qr1[None, :], axis=1) + tl.sum(kb * qr2[None, :], axis=1)
-        m_i, l_i, acc = _softmax_block(tl.where(s_mask, scores, float("-inf")), v, m_i, l_i, acc)
-    tl.store(out_ptr + (b * N_HEADS + h) * HEAD_DIM + offs_d, (acc / l_i).to(out_ptr.dtype.element_ty))
-
-
-@triton.jit
-def _cached_halves(k_cache, v_cache, s0, end, stride_cs, idx1, idx2, offs_d, BLOCK_S: tl.constexpr):
-    """Cached keys (as the two halves of each rotated pair, float32) and values at positions s0 .. s0 +
-    BLOCK_S - 1 below `end`, and that mask."""
-    offs_s = s0 + tl.arange(0, BLOCK_S)
-    s_mask = offs_s < end
-    kp = k_cache + offs_s[:, None] * stride_cs
-    ka = tl.load(kp + idx1[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
-    kb = tl.load(kp + idx2[None, :], mask=s_mask[:, None], other=0.0).to(tl.float32)
-    v = tl.load(v_cache + offs_s[:, None] * stride_cs + offs_d[None, :], mask=s_mask[:, None], other=0.0)
-    return ka, kb, v, s_mask
-
-
-@triton.jit
-def _attend_split(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, part_ptr, count_ptr, scale, stride_qkv,
-                  stride_cb, stride_ch, stride_cs, b, h, pos, split, span, live, N_HEADS: tl.constexpr,
-                  N_KV: tl.constexpr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_S: tl.constexpr,
-                  SPLITS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
-    """Split `split` (live: one of the first `live`) of `_rope_attention_kernel`'s program (b, h): keys from
-    split * span to below pos, the new key with the last live split."""
-    kvh = h // (N_HEADS // N_KV)
-    lo = split * span
-    hi = tl.minimum(lo + span, pos)
-    offs_d = tl.arange(0, HEAD_DIM)
-    k_cache = k_cache_ptr + b * stride_cb + kvh * stride_ch
-    v_cache = v_cache_ptr + b * stride_cb + kvh * stride_ch
-    k, v, s_mask = _cached_block(k_cache, v_cache, lo, hi, stride_cs, offs_d, BLOCK_S)
-    _wait_for_previous_kernel(PDL)
-    row = qkv_ptr + b * stride_qkv
     # Rounded to the cache dtype like the two-kernel path (rope_store then attention over the cache).
     dt = k_cache_ptr.dtype.element_ty
-    k_new = _rotated(row + (N_HEADS + kvh) * HEAD_DIM, pos, cos_ptr, sin_ptr, HEAD_DIM, INTERLEAVED).to(dt)
-    q = _rotated(row + h * HEAD_DIM, pos, cos_ptr, sin_ptr, HEAD_DIM, INTERLEAVED)
-    q = q.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
+    if WHOLE_ROWS:
+        k1 = _rotated(k_base, pos, cos_ptr, sin_ptr, HEAD_DIM, INTERLEAVED).to(dt)
+        q1 = _rotated(q_base, pos, cos_ptr, sin_ptr, HEAD_DIM, INTERLEAVED)
+        q1 = q1.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
+        k2, q2 = k1, q1
+    else:
+        c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + half)
+        s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + half)
+        k1, k2 = _rotate(tl.load(k_base + idx1).to(tl.float32), tl.load(k_base + idx2).to(tl.float32), c, s)
+        k1, k2 = k1.to(dt), k2.to(dt)
+        q1, q2 = _rotate(tl.load(q_base + idx1).to(tl.float32), tl.load(q_base + idx2).to(tl.float32), c, s)
+        q1 = q1.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
+        q2 = q2.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
     v_new = tl.load(row + (N_HEADS + N_KV + kvh) * HEAD_DIM + offs_d).to(dt)
     if split == 0 and h % (N_HEADS // N_KV) == 0:
-        tl.store(k_cache + pos * stride_cs + offs_d, k_new)
+        if WHOLE_ROWS:
+            tl.store(k_cache + pos * stride_cs + offs_d, k1)
+        else:
+            tl.store(k_cache + pos * stride_cs + idx1, k1)
+            tl.store(k_cache + pos * stride_cs + idx2, k2)
         tl.store(v_cache + pos * stride_cs + offs_d, v_new)
+    if WHOLE_ROWS:
+        new_score = tl.sum(k1.to(tl.float32) * q1, axis=0)
+    else:
+        new_score = tl.sum(k1.to(tl.float32) * q1, axis=0) + tl.sum(k2.to(tl.float32) * q2, axis=0)
     holds_new = split == live - 1
     # A split without the new key may see no key at all: a finite floor keeps its state 0 instead of NaN.
-    m_i = tl.where(holds_new, tl.sum(k_new.to(tl.float32) * q, axis=0), -1.0e30)
+    m_i = tl.where(holds_new, new_score, -1.0e30)
     l_i = tl.where(holds_new, 1.0, 0.0)
     acc = tl.where(holds_new, v_new.to(tl.float32), 0.0)
-    scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
-    m_i, l_i, acc = _softmax_block(tl.where(s_mask, scores, float("-inf")), v, m_i, l_i, acc)
+    m_i, l_i, acc = _softmax_block(_scores(ka, kb, q1, q2, s_mask, WHOLE_ROWS), v, m_i, l_i, acc)
     for s0 in range(lo + BLOCK_S, hi, BLOCK_S):
-        k, v, s_mask = _cached_block(k_cache, v_cache, s0, hi, stride_cs, offs_d, BLOCK_S)
-        scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
-        m_i, l_i, acc = _softmax_block(tl.where(s_mask, scores, float("-inf")), v, m_i, l_i, acc)
+        ka, kb, v, s_mask = _cached_block(k_cache, v_cache, s0, hi, stride_cs, idx1, idx2, offs_d, WHOLE_ROWS, BLOCK_S)
+        m_i, l_i, acc = _softmax_block(_scores(ka, kb, q1, q2, s_mask, WHOLE_ROWS), v, m_i, l_i, acc)
     out_row = out_ptr + (b * N_HEADS + h) * HEAD_DIM + offs_d
     if live == 1:
         tl.store(out_row, (acc / l_i).to(out_ptr.dtype.element_ty))
