@@ -97,6 +97,7 @@ def _dequant_asm(magic: int, centre: int, op: str) -> str:
 _DEQUANT_BF16 = _constexpr(_dequant_asm(0x43004300, 0x43084308, "bf16x2"))  # 128 + q, 136 as bfloat16
 _DEQUANT_F16 = _constexpr(_dequant_asm(0x64006400, 0x64086408, "f16x2"))  # 1024 + q, 1032 as float16
 _DEQUANT_CONSTRAINTS = _constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
+FINISH_LOADS = _constexpr(4)
 
 
 def _log2(n: int) -> int:
@@ -329,12 +330,18 @@ def _finish_tile(part_ptr, squares_ptr, out_ptr, res_ptr, b_ptr, M, N, K, featur
     acc_up = gl.zeros([MP, BN], gl.float32, layout=FIN)
     squares = gl.zeros([MP], gl.float32, layout=gl.SliceLayout(1, FIN))
     at = part_ptr + offs_m[:, None] * N + offs_f[None, :]
-    for s in range(splits):
-        acc += gl.load(at + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
-        if ACT == 1:
-            acc_up += gl.load(at + s * M * N + features, mask=mask, other=0.0, cache_modifier=".cg")
-        if NORM:
-            squares += gl.load(squares_ptr + s * M + offs_m, mask=m_mask, other=0.0, cache_modifier=".cg")
+    # Splits are read FINISH_LOADS at a time (unrolled, independent loads): one L2 round trip per split made
+    # the finish a chain of `splits` round trips.
+    for s0 in range(0, splits, FINISH_LOADS):
+        for j in gl.static_range(FINISH_LOADS):
+            s = s0 + j
+            live = s < splits
+            acc += gl.load(at + s * M * N, mask=mask & live, other=0.0, cache_modifier=".cg")
+            if ACT == 1:
+                acc_up += gl.load(at + s * M * N + features, mask=mask & live, other=0.0, cache_modifier=".cg")
+            if NORM:
+                squares += gl.load(squares_ptr + s * M + offs_m, mask=m_mask & live, other=0.0,
+                                   cache_modifier=".cg")  # fmt: skip
     if NORM:
         rstd = 1.0 / gl.sqrt(squares / K + eps)
         acc = acc * rstd[:, None]
