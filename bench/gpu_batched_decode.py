@@ -64,7 +64,10 @@ def parse_overrides(pairs: list[str], tiles: str | None) -> dict:
     fields: dict = {}
     for pair in pairs:
         key, _, value = pair.partition("=")
-        fields[key] = int(value) if value.lstrip("-").isdigit() else value
+        if "," in value:
+            fields[key] = tuple(int(v) for v in value.split(","))
+        else:
+            fields[key] = int(value) if value.lstrip("-").isdigit() else value
     if tiles:
         with open(tiles) as f:
             best = json.load(f)["best_tiles"]

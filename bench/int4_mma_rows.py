@@ -5,7 +5,8 @@ shape has the same four), weights streamed from DRAM (16 copies per shape cycled
 bfloat16 activations, relative error against float32 of the dequantized INT4 weight. Each row count also tries
 a few tiles (`KernelPolicy.mma_int4_tiles`) and split counts (`mma_int4_programs`). Device only.
 
-    PYTHONPATH=src python bench/int4_mma_rows.py --out F.json [--rows 3 4 8 16 32 64] [--budget-s 240]
+    PYTHONPATH=src python bench/int4_mma_rows.py --out F.json [--rows 3 4 8 16 32 64] [--budget-s 240] \\
+        [--policy mma_int4_loads_ahead=1] [--no-baselines]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import torch
 import triton
 from gluon_gemv_rows import COPIES, SHAPES, copies_us, fused_product, keep_best, print_row, reference, write_json
+from gpu_batched_decode import parse_overrides
 
 from tinyloop.env import RuntimeEnv
 from tinyloop.kernels import cuda_ops
@@ -44,9 +46,11 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", type=int, nargs="*", default=[2, 3, 4, 8, 16, 32, 64])
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop the tile sweep after this long")
+    ap.add_argument("--policy", nargs="*", default=[], help="KernelPolicy fields to replace, as FIELD=VALUE")
+    ap.add_argument("--no-baselines", action="store_true", help="time the tensor-core kernel only")
     args = ap.parse_args()
     t_start = time.perf_counter()
-    policy = dataclasses.replace(kernel_policy(RuntimeEnv.read()), mma_int4=True)
+    policy = dataclasses.replace(kernel_policy(RuntimeEnv.read()), mma_int4=True, **parse_overrides(args.policy, None))
     gen = torch.Generator().manual_seed(0)
     dev = torch.device("cuda")
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
@@ -78,8 +82,9 @@ def main() -> None:
                 except Exception as exc:  # noqa: BLE001 - recorded; the other kernels are still measured
                     row[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
 
-            measure("cublas_16bit", fused(policy, dense))
-            measure("tinygemm", fused(policy, tinygemm))
+            if not args.no_baselines:
+                measure("cublas_16bit", fused(policy, dense))
+                measure("tinygemm", fused(policy, tinygemm))
             measure("mma_int4", fused(policy, mma))
             wgmma = policy.mma_int4_uses_wgmma(n, k, m)
             if wgmma:

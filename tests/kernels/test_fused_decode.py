@@ -252,7 +252,10 @@ def test_batched_steps_that_the_tensor_core_kernel_takes_use_its_copies(monkeypa
     assert decoder.dense_copies(lo, 1) == {} and decoder.dense_copy_bytes == 0
     assert decoder.step_weights(hi, 1) == weights and decoder._graph_window(hi, 1) is None
     assert decoder.mma_int4_weights(hi + 1, 1) == {} and decoder.mma_int4_weights(lo - 1, 1) == {}
-    assert decoder.mma_int4_weights(lo, 2) == {}  # a verification pass or prefill: never
+    assert decoder.mma_int4_weights(lo, 2) == {}  # a verification pass or prefill: not by default
+    decoder.kernels = CudaKernels(dataclasses.replace(policy, mma_int4_few_tokens=True))
+    assert decoder.mma_int4_weights(1, lo) == weights and decoder.mma_int4_weights(2, hi // 2) == weights
+    assert decoder.mma_int4_weights(1, hi + 1) == {}
     decoder.release()
     assert decoder.mma_int4_bytes == 0
 

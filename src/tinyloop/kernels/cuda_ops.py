@@ -312,11 +312,14 @@ def _mma_int4_linear(policy: KernelPolicy, x: torch.Tensor, w: CudaMmaInt4Weight
     splits, tiles_per_split = _k_splits(programs, K // block_k, n_tiles * m_tiles)
     part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
     squares = torch.empty((splits, M), dtype=torch.float32, device=x.device) if flags["NORM"] else part
+    ahead = policy.mma_int4_loads_ahead if rows_x <= 16 else 1
+    cap = {"maxnreg": policy.mma_int4_max_registers} if policy.mma_int4_max_registers and rows_x <= 16 else {}
     gluon_int4_mma._int4_mma_kernel[(n_tiles, splits, m_tiles)](
         x, w.words, w.pairs, nw, part, squares, w.arrivals, out, res, b, M, n_total, K, tiles_per_split, eps,
         x.stride(0), K // 8, K // w.group_size, out.stride(0), res.stride(0), GROUP=w.group_size, NORM=flags["NORM"],
         BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"], BN=block_n, BK=block_k, MP=rows_x,
-        **gluon_int4_mma.layouts(warps, row_tiles, block_k, rows_x, wgmma), num_warps=warps, **policy.pdl_options(),
+        AHEAD=ahead, **gluon_int4_mma.layouts(warps, row_tiles, block_k, rows_x, wgmma), num_warps=warps, **cap,
+        **policy.pdl_options(),
     )  # fmt: skip
     return out
 

@@ -235,6 +235,7 @@ def _int4_mma_kernel(
     FIN: gl.constexpr,
     XS: gl.constexpr,
     WGMMA: gl.constexpr,
+    AHEAD: gl.constexpr,
     PDL: gl.constexpr,
 ):
     """Program (n, s, m): weight rows n * BN.. times x rows m * MP.. over K tiles s * tiles_per_split.. (of BK
@@ -243,7 +244,8 @@ def _int4_mma_kernel(
     the sums of squares of x over each split (squares[s, x rows], the same from every tile's programs).
     With ACT 1 (SwiGLU) the weight holds [gate; up] rows and a tile's features need both halves' programs.
     N % BN == 0, (N / 2) % BN == 0 for SwiGLU, and K % BK == 0 (the launcher checks). WGMMA: x (times the norm
-    gain with NORM) is staged in shared memory once per K step for wgmma."""
+    gain with NORM) is staged in shared memory once per K step for wgmma. AHEAD: K tiles loaded ahead of the
+    one multiplied (1 or 2: a split is a few tiles, and each further tile in flight hides a DRAM latency)."""
     LW: gl.constexpr = gl.SliceLayout(2, W3)
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2 if WGMMA else 8)
     LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
@@ -262,21 +264,35 @@ def _int4_mma_kernel(
     x_mask = (xm < M)[:, None]
     if WGMMA:
         x_shared = gl.allocate_shared_memory(dt, [MP, BK], XS)
-    # Weights never depend on earlier kernels: the first tile is fetched before the grid-dependency wait.
+    # Weights never depend on earlier kernels: the first tiles are fetched before the grid-dependency wait.
     words = gl.load(w_tile + t_begin * (BK // 8))
     pairs = gl.load(g_tile + t_begin * (BK // GROUP))
+    words_later = words
+    pairs_later = pairs
+    later = t_begin + 1 < t_end
+    if AHEAD == 2:
+        words_later = gl.load(w_tile + (t_begin + 1) * (BK // 8), mask=later)
+        pairs_later = gl.load(g_tile + (t_begin + 1) * (BK // GROUP), mask=later)
     _wait_for_previous_kernel(PDL)
     x = gl.load(x_tile + t_begin * BK, mask=x_mask, other=0.0)
+    x_later = x
+    if AHEAD == 2:
+        x_later = gl.load(x_tile + (t_begin + 1) * BK, mask=x_mask & later, other=0.0)
     acc = gl.zeros([BN, MP], gl.float32, layout=MMA)
     squares = gl.zeros([MP], gl.float32, layout=gl.SliceLayout(1, XL))
     for t in range(t_begin, t_end):
         cur_words = words
         cur_pairs = pairs
         cur_x = x
-        fetch = t + 1 < t_end
-        words = gl.load(w_tile + (t + 1) * (BK // 8), mask=fetch)
-        pairs = gl.load(g_tile + (t + 1) * (BK // GROUP), mask=fetch)
-        x = gl.load(x_tile + (t + 1) * BK, mask=x_mask & fetch, other=0.0)
+        fetch = t + AHEAD < t_end
+        fetched_words = gl.load(w_tile + (t + AHEAD) * (BK // 8), mask=fetch)
+        fetched_pairs = gl.load(g_tile + (t + AHEAD) * (BK // GROUP), mask=fetch)
+        fetched_x = gl.load(x_tile + (t + AHEAD) * BK, mask=x_mask & fetch, other=0.0)
+        if AHEAD == 2:
+            words, pairs, x = words_later, pairs_later, x_later
+            words_later, pairs_later, x_later = fetched_words, fetched_pairs, fetched_x
+        else:
+            words, pairs, x = fetched_words, fetched_pairs, fetched_x
         if NORM:
             x32 = cur_x.to(gl.float32)
             squares += gl.sum(x32 * x32, axis=1)

@@ -124,6 +124,17 @@ class KernelPolicy:
     # against 9.2 and 15.7 on the mma.sync kernel; 32 rows the layer's four 44.5 against 60.4 on cuBLAS's copies.
     mma_int4_wgmma: bool = False
     mma_int4_wgmma_programs: int = 264
+    # The fewest rows at which a wide (N > K), long-K (K > N) and square product takes the warpgroup version.
+    mma_int4_wgmma_from: tuple[int, int, int] = (8, 16, 17)
+    # K tiles a tensor-core INT4 program loads ahead of the one it multiplies, for x tiles of up to 16 rows (32
+    # and 64 load one ahead: their registers are full).
+    mma_int4_loads_ahead: int = 2
+    # ptxas register cap of the tensor-core INT4 kernel (0: none). 128 lets the programs the split counts above
+    # ask for run at once: four 4-warp mma.sync or two 8-warp warpgroup programs per SM.
+    mma_int4_max_registers: int = 128
+    # Whether a single sequence's steps of several tokens (speculative verification) whose row count is in the
+    # tensor-core kernel's range take it too.
+    mma_int4_few_tokens: bool = False
     # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
     splitk_programs: int = 264
     # Cached attention (keys per block, warps) for heads of at least 128 and for narrower heads.
@@ -236,7 +247,8 @@ class KernelPolicy:
         the mma.sync kernel keeps out at 8-16 rows (6.0-6.6 µs against 8.3-8.7) and down at 8 (8.0 against 9.7)."""
         if not self.mma_int4_wgmma:
             return False
-        return rows >= (8 if n > k else 16 if k > n else 17)
+        wide, long_k, square = self.mma_int4_wgmma_from
+        return rows >= (wide if n > k else long_k if k > n else square)
 
     def gluon_tile(self, n: int, k: int, act: int, rows: int = 1) -> tuple[int, int, int, int, int]:
         """(weight rows per thread, lanes along rows, blocks per thread, warps along rows, warps along blocks)

@@ -124,7 +124,7 @@ class FusedDecoder:
         # id(INT4 matrix) -> it in the tensor-core INT4 kernel's layout, made by the first batched step it takes.
         self._mma_int4: dict[int, CudaMmaInt4Weight] = {}
         # batch size -> the copies its tile divides (a step's weights are looked up at least twice).
-        self._mma_int4_by_batch: dict[int, dict[int, CudaMmaInt4Weight]] = {}
+        self._mma_int4_by_rows: dict[int, dict[int, CudaMmaInt4Weight]] = {}
         self.mma_int4_bytes = 0  # counted in vram_usage_mb
         self._qkv_bias: dict[int, torch.Tensor | None] = {}
         for lw in self._all_layers():
@@ -232,7 +232,7 @@ class FusedDecoder:
         self._tinygemm = {}
         self.tinygemm_bytes = 0
         self._mma_int4 = {}
-        self._mma_int4_by_batch = {}
+        self._mma_int4_by_rows = {}
         self.mma_int4_bytes = 0
 
     def step_weights(self, batch: int, tokens: int) -> Mapping[int, ProductWeight]:
@@ -248,7 +248,8 @@ class FusedDecoder:
     def mma_int4_weights(self, batch: int, tokens: int) -> Mapping[int, ProductWeight]:
         """The INT4 matrices in the tensor-core INT4 kernel's layout (those its tile divides), made on first use,
         for batched one-token steps of policy.mma_int4_min_rows to mma_int4_max_rows sequences in 16-bit
-        compute; the others keep their INT4 kernels. Never for a single sequence's steps."""
+        compute (and a single sequence's steps of that many tokens with policy.mma_int4_few_tokens); the others
+        keep their INT4 kernels."""
         if not self._takes_mma_int4(batch, tokens):
             return {}
         if not self._mma_int4:
@@ -259,15 +260,18 @@ class FusedDecoder:
             mib = self.mma_int4_bytes / 2**20
             info(f"batched steps: INT4 matrices copied for the tensor-core kernel ({mib:.0f} MiB)")
             self._mma_int4 = copies
-        if batch not in self._mma_int4_by_batch:
+        rows = batch * tokens
+        if rows not in self._mma_int4_by_rows:
             policy = self.kernels.policy
-            taken = {key: c for key, c in self._mma_int4.items() if cuda_ops.mma_int4_applies(policy, c, batch)}
-            self._mma_int4_by_batch[batch] = taken
-        return self._mma_int4_by_batch[batch]
+            taken = {key: c for key, c in self._mma_int4.items() if cuda_ops.mma_int4_applies(policy, c, rows)}
+            self._mma_int4_by_rows[rows] = taken
+        return self._mma_int4_by_rows[rows]
 
     def _takes_mma_int4(self, batch: int, tokens: int) -> bool:
         policy = self.kernels.policy
-        in_range = tokens == 1 and max(2, policy.mma_int4_min_rows) <= batch <= policy.mma_int4_max_rows
+        rows = batch * tokens
+        token_count_taken = tokens == 1 or policy.mma_int4_few_tokens
+        in_range = token_count_taken and max(2, policy.mma_int4_min_rows) <= rows <= policy.mma_int4_max_rows
         fits = self._tinygemm_fits and self.engine.dtype in (torch.bfloat16, torch.float16)
         return policy.mma_int4 and in_range and fits and gluon_int4_mma.available()
 
