@@ -257,3 +257,22 @@ def test_generate_batch_with_stop_strings_same_with_lookahead() -> None:
         assert [s.stop_reason for s in ahead.last_batch_stats] == [s.stop_reason for s in plain.last_batch_stats]
         one = dict(max_tokens=12, loops=3, temperature=0.0, stop=["e "])
         assert ahead.generate(prompts[0], **one).tolist() == plain.generate(prompts[0], **one).tolist()
+
+
+def test_a_step_that_fails_while_queued_ahead_raises_its_own_error(
+    engine: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that raises after the host has queued ahead surfaces its error (not the loop's cleanup of the
+    position it never fed)."""
+    step, calls = engine.step, {"n": 0}
+
+    def failing_second_step(*args: Any, **kwargs: Any) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:  # the first step queued ahead
+            raise ValueError("the kernel refused the rows")
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "step", failing_second_step)
+    rows = _rows(PROMPTS[:2], [8, 8], [frozenset()] * 2, [4, 4])
+    with pytest.raises(ValueError, match="the kernel refused the rows"):
+        _decode(engine, {"steps": 0, "reads": 0}, True, rows)

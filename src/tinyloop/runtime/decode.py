@@ -170,8 +170,11 @@ class _Lookahead:
         if not any(not row.done and len(row.tokens) + 1 < row.max_tokens for row in rows):
             self.fed = [False] * len(rows)
             return logits
+        # Marked fed only once the step has run: a step that raises leaves nothing to settle, so its error
+        # surfaces rather than settle's.
+        next_logits = decode_step(engine, cache, rows, loops, feed=tokens)
         self.fed = [not row.done for row in rows]
-        return decode_step(engine, cache, rows, loops, feed=tokens)
+        return next_logits
 
     def take(self, rows: Sequence[Row]) -> Iterator[tuple[int, int]]:
         """The queued tokens, taken by their live rows: yield (b, token)."""
