@@ -6,7 +6,7 @@ bfloat16 activations, relative error against float32 of the dequantized INT4 wei
 a few tiles (`KernelPolicy.mma_int4_tiles`) and split counts (`mma_int4_programs`). Device only.
 
     PYTHONPATH=src python bench/int4_mma_rows.py --out F.json [--rows 3 4 8 16 32 64] [--budget-s 240] \\
-        [--policy mma_int4_loads_ahead=1] [--no-baselines]
+        [--policy mma_int4_wgmma_loads_ahead=1] [--no-baselines]
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main() -> None:
                 measure("cublas_16bit", fused(policy, dense))
                 measure("tinygemm", fused(policy, tinygemm))
             measure("mma_int4", fused(policy, mma))
-            wgmma = policy.mma_int4_uses_wgmma(n, k, m)
+            wgmma = policy.mma_int4_wgmma
             if wgmma:
                 measure("mma_sync", fused(dataclasses.replace(policy, mma_int4_wgmma=False), mma))
             for tile in tile_candidates(m, wgmma):

@@ -239,7 +239,7 @@ def test_batched_steps_that_the_tensor_core_kernel_takes_use_its_copies(monkeypa
     columns = {shape: 64 if shape != untaken else 192 for shape in shapes}  # 192 divides no row: not taken
     tiles = {(n, k, rows): (1, 1, columns[(n, k)], 16) for n, k in shapes for rows in range(lo, hi + 1)}
     policy = dataclasses.replace(fused.kernel_policy, mma_int4=True, mma_int4_min_rows=lo, mma_int4_max_rows=hi,
-                                 mma_int4_tiles=tiles)  # fmt: skip
+                                 mma_int4_tiles=tiles, mma_int4_few_tokens=False)  # fmt: skip
     decoder.kernels = CudaKernels(policy)
     monkeypatch.setattr(decoder.engine, "dtype", torch.bfloat16)
     monkeypatch.setattr(gluon_int4_mma, "available", lambda: True)
@@ -252,7 +252,7 @@ def test_batched_steps_that_the_tensor_core_kernel_takes_use_its_copies(monkeypa
     assert decoder.dense_copies(lo, 1) == {} and decoder.dense_copy_bytes == 0
     assert decoder.step_weights(hi, 1) == weights and decoder._graph_window(hi, 1) is None
     assert decoder.mma_int4_weights(hi + 1, 1) == {} and decoder.mma_int4_weights(lo - 1, 1) == {}
-    assert decoder.mma_int4_weights(lo, 2) == {}  # a verification pass or prefill: not by default
+    assert decoder.mma_int4_weights(lo, 2) == {}  # several tokens a row: only with mma_int4_few_tokens
     decoder.kernels = CudaKernels(dataclasses.replace(policy, mma_int4_few_tokens=True))
     assert decoder.mma_int4_weights(1, lo) == weights and decoder.mma_int4_weights(2, hi // 2) == weights
     assert decoder.mma_int4_weights(1, hi + 1) == {}

@@ -124,17 +124,13 @@ def _shaped(n: int, k: int, group: int = 64) -> CudaMmaInt4Weight:
     return CudaMmaInt4Weight(words, pairs, group, torch.bfloat16, arrivals)
 
 
-def test_warpgroup_kernel_takes_wide_products_from_8_rows_long_ones_from_16_square_ones_past_16() -> None:
-    policy = KernelPolicy(mma_int4=True, mma_int4_wgmma=True)
-    qkv, gate_up, out, down = (6144, 2048), (11264, 2048), (2048, 2048), (2048, 5632)
-    assert [policy.mma_int4_uses_wgmma(*qkv, rows) for rows in (7, 8)] == [False, True]
-    assert policy.mma_int4_uses_wgmma(*gate_up, 8)
-    assert [policy.mma_int4_uses_wgmma(*down, rows) for rows in (8, 16)] == [False, True]
-    assert [policy.mma_int4_uses_wgmma(*out, rows) for rows in (16, 17)] == [False, True]
-    assert not KernelPolicy(mma_int4=True).mma_int4_uses_wgmma(*qkv, 32)
+def test_the_warpgroup_version_takes_its_rows_from_2_and_the_mma_sync_version_from_8() -> None:
+    wgmma, mma_sync = KernelPolicy(mma_int4=True, mma_int4_wgmma=True), KernelPolicy(mma_int4=True)
+    assert [wgmma.mma_int4_takes_rows(rows) for rows in (1, 2, 32, 33)] == [False, True, True, False]
+    assert [mma_sync.mma_int4_takes_rows(rows) for rows in (7, 8, 32, 33)] == [False, True, True, False]
+    assert not KernelPolicy(mma_int4_wgmma=True).mma_int4_takes_rows(8)  # the kernel itself switched off
     # whole warpgroups (4 or 8 warps) and x tiles wgmma's N can take
-    for shape in (qkv, gate_up, out, down):
-        for rows in (8, 16, 32, 64):
-            if policy.mma_int4_uses_wgmma(*shape, rows):
-                warps, _, _, rows_x = policy.mma_int4_tile(*shape, rows)
-                assert warps % 4 == 0 and rows_x in (16, 32, 64)
+    for shape in ((6144, 2048), (11264, 2048), (2048, 2048), (2048, 5632)):
+        for rows in (2, 5, 8, 16, 32, 64):
+            warps, _, _, rows_x = wgmma.mma_int4_tile(*shape, rows)
+            assert warps % 4 == 0 and rows_x in (16, 32, 64)

@@ -307,13 +307,16 @@ def _mma_int4_linear(policy: KernelPolicy, x: torch.Tensor, w: CudaMmaInt4Weight
     n_tiles, m_tiles = n_total // block_n, triton.cdiv(M, rows_x)
     if n_tiles * m_tiles > w.arrivals.numel():
         raise ValueError(f"{m_tiles} tiles of {rows_x} x rows exceed the copy's counters ({w.arrivals.numel()})")
-    wgmma = policy.mma_int4_uses_wgmma(n_total, K, M)
+    wgmma = policy.mma_int4_wgmma
     programs = policy.mma_int4_wgmma_programs if wgmma else policy.mma_int4_programs
     splits, tiles_per_split = _k_splits(programs, K // block_k, n_tiles * m_tiles)
     part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
     squares = torch.empty((splits, M), dtype=torch.float32, device=x.device) if flags["NORM"] else part
-    ahead = policy.mma_int4_loads_ahead if rows_x <= 16 else 1
-    cap = {"maxnreg": policy.mma_int4_max_registers} if policy.mma_int4_max_registers and rows_x <= 16 else {}
+    # The mma.sync version and x tiles of 32-64 rows have no registers to spare for a deeper prefetch.
+    deeper = wgmma and rows_x <= 16
+    ahead = policy.mma_int4_wgmma_loads_ahead if deeper else 1
+    registers = policy.mma_int4_wgmma_max_registers if deeper else 0
+    cap = {"maxnreg": registers} if registers else {}
     gluon_int4_mma._int4_mma_kernel[(n_tiles, splits, m_tiles)](
         x, w.words, w.pairs, nw, part, squares, w.arrivals, out, res, b, M, n_total, K, tiles_per_split, eps,
         x.stride(0), K // 8, K // w.group_size, out.stride(0), res.stride(0), GROUP=w.group_size, NORM=flags["NORM"],

@@ -15,8 +15,8 @@ memory because the matrix is kept in `quant.CudaMmaInt4Weight`'s plain column or
 word in the order the decoding emits (`quant.MMA_NIBBLE_OF_COLUMN`). Gluon checks that every layout conversion is a
 relabelling (`assert_trivial`).
 
-On Hopper the same kernel has a warpgroup version (`WGMMA`) for the products where it is faster (chosen by
-`KernelPolicy.mma_int4_uses_wgmma`): mma.sync's operand layout gives each warp its own register copy of the x tile,
+On Hopper the same kernel has a warpgroup version (`WGMMA`, `KernelPolicy.mma_int4_wgmma`), faster for every
+product from 2 rows: mma.sync's operand layout gives each warp its own register copy of the x tile,
 so x's loads (and its norm) are repeated in every warp and the instructions grow with the row count (at 32 rows a
 seed-407m product issues 0.30-0.80 warp instructions per weight byte, sm_90a, bench/int4_mma_sass.py, against ~0.31
 that streaming at the memory's rate allows). The warpgroup version stages x once per program in shared memory,

@@ -102,39 +102,34 @@ class KernelPolicy:
     # in the row count (seed-407m's four layer products 53.5 µs on an H100 at 1-64 rows): 3 rows 53.5 against
     # 58.8 on the Gluon GEMV, 8 rows against 80.9 on the split-K kernel.
     dense_copy_min_rows: int = 3
-    # Batched one-token steps of `mma_int4_min_rows` to `mma_int4_max_rows` sequences in 16-bit compute multiply
-    # the tensor-core INT4 kernels (kernels/gluon_int4_mma.py, and its warpgroup version below) on a copy of the INT4
-    # matrices in their layout (quant.CudaMmaInt4Weight, as many bytes again), made on the first such step, where
-    # `mma_int4` is on (Hopper); they take those steps before tinygemm and the 16-bit copies. H100, seed-407m's four
-    # layer products (bench/int4_mma_rows.py; docs/BENCHMARKS.md): 8 rows 32.0 µs a layer against 54.4 on tinygemm
-    # and 57.8 on the copies, 16 rows 37.4 against 58.2 on the copies, 32 rows 44.5 against 60.4; at 64 rows the
-    # copies are faster (61 against ~71). The mma.sync kernel alone was level with tinygemm at 4 rows (40.2 against
-    # 39.9): a batch-4 step took 1.961 ms on it against 1.890 on tinygemm.
+    # Batched one-token steps of `mma_int4_min_rows` (`mma_int4_wgmma_min_rows` with the warpgroup version) to
+    # `mma_int4_max_rows` sequences in 16-bit compute multiply the tensor-core INT4 kernels (kernels/gluon_int4_mma.py)
+    # on a copy of the INT4 matrices in their layout (quant.CudaMmaInt4Weight, as many bytes again), made on the
+    # first such step, where `mma_int4` is on (Hopper or later); they take those steps before tinygemm and the 16-bit
+    # copies. The mma.sync version was level with tinygemm at 4 rows on an H100 (40.2 against 39.9 µs a seed-407m
+    # layer), so it starts at 8.
     mma_int4: bool = False
     mma_int4_min_rows: int = 8
     mma_int4_max_rows: int = 32
-    # The tensor-core INT4 kernel splits K until about this many programs run (four per SM of an H100): on an
-    # H100 a seed-407m step of 8 rows took 2.035 ms against 2.236 at 264 programs, 16 rows 2.573 against 2.714
-    # (the Ouro shape 8 rows 5.606 against 5.860, 16 rows 7.011 against 6.954; same call).
+    # The mma.sync version splits K until about this many programs run (four per SM of an H100): a seed-407m step
+    # of 8 rows took 2.035 ms against 2.236 at 264 programs (H100).
     mma_int4_programs: int = 528
-    # Products on the tensor-core INT4 path take its warpgroup version (kernels/gluon_int4_mma.py, WGMMA: x staged once
-    # per program in shared memory, where wgmma reads it for every warp) where `mma_int4_wgmma` is on (sm_90: wgmma
-    # is Hopper's alone) and `mma_int4_uses_wgmma` says so, with K split until about `mma_int4_wgmma_programs`
-    # programs run. H100, seed-407m's products (bench/int4_mma_rows.py): 8 rows QKV 7.8 µs and gate / up 10.2
-    # against 9.2 and 15.7 on the mma.sync kernel; 32 rows the layer's four 44.5 against 60.4 on cuBLAS's copies.
+    # Where `mma_int4_wgmma` is on (sm_90: wgmma is Hopper's alone) every product takes the warpgroup version (x
+    # staged once per program in shared memory, where wgmma reads it for every warp), from
+    # `mma_int4_wgmma_min_rows` rows, with K split until about `mma_int4_wgmma_programs` programs run. Its x tiles of
+    # up to 16 rows load K tiles `mma_int4_wgmma_loads_ahead` ahead of the one multiplied under a register cap of
+    # `mma_int4_wgmma_max_registers` (two 8-warp programs per SM; offline sm_90a: no spills). H100, seed-407m
+    # (docs/BENCHMARKS.md): its four layer products take 30.7 µs at 2-5 rows against 38.3 on the 2-row Gluon GEMV
+    # and 42.0 on tinygemm at 4 rows; steps of 2 / 4 / 8 rows 1.432 / 1.461 / 1.536 ms against a 1.254 ms one-row
+    # step. 64 rows stay on the copies (each product 1.1-1.8x cuBLAS's there).
     mma_int4_wgmma: bool = False
+    mma_int4_wgmma_min_rows: int = 2
     mma_int4_wgmma_programs: int = 264
-    # The fewest rows at which a wide (N > K), long-K (K > N) and square product takes the warpgroup version.
-    mma_int4_wgmma_from: tuple[int, int, int] = (8, 16, 17)
-    # K tiles a tensor-core INT4 program loads ahead of the one it multiplies, for x tiles of up to 16 rows (32
-    # and 64 load one ahead: their registers are full).
-    mma_int4_loads_ahead: int = 2
-    # ptxas register cap of the tensor-core INT4 kernel (0: none). 128 lets the programs the split counts above
-    # ask for run at once: four 4-warp mma.sync or two 8-warp warpgroup programs per SM.
-    mma_int4_max_registers: int = 128
-    # Whether a single sequence's steps of several tokens (speculative verification) whose row count is in the
-    # tensor-core kernel's range take it too.
-    mma_int4_few_tokens: bool = False
+    mma_int4_wgmma_loads_ahead: int = 2
+    mma_int4_wgmma_max_registers: int = 128
+    # A single sequence's steps of several tokens (speculative verification) whose row count the tensor-core kernel
+    # takes run on it too: on an H100 draft 2 / verify 8 on seed-407m went from 1.18-1.25x plain to 1.49-1.52x.
+    mma_int4_few_tokens: bool = True
     # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
     splitk_programs: int = 264
     # Cached attention (keys per block, warps) for heads of at least 128 and for narrower heads.
@@ -222,14 +217,14 @@ class KernelPolicy:
 
     def mma_int4_tile(self, n: int, k: int, rows: int) -> tuple[int, int, int, int]:
         """(warps, row tiles of 16 weight rows per warp, BLOCK_K, x rows per program) of the tensor-core INT4
-        kernel: the winners of bench/int4_mma_rows.py on an H100 (seed-407m's products, 2-64 rows, 264 programs):
-        two row tiles a warp for tall matrices (gate / up) from 8 rows and long rows (down) from 16, 256 columns a
-        step for long rows below 8; 64 x rows only with 64 columns a step (more spill, sm_90a). QKV's tiles were
-        not swept (one row tile a warp)."""
+        kernel: the winners of bench/int4_mma_rows.py on an H100 (seed-407m's products, 2-64 rows). Warpgroup
+        version: 8 warps of one row tile for x tiles of 16 rows, 4 warps of two for 32 (and 64 with N > K). mma.sync
+        (528 programs): two row tiles a warp for tall matrices (gate / up) from 8 rows and long rows (down) from 16,
+        256 columns a step for long rows below 8; 64 x rows only with 64 columns a step (more spill, sm_90a)."""
         if (n, k, rows) in self.mma_int4_tiles:
             return self.mma_int4_tiles[(n, k, rows)]
         rows_x = max(16, 1 << (rows - 1).bit_length())
-        if self.mma_int4_uses_wgmma(n, k, rows):
+        if self.mma_int4_wgmma:
             if rows_x == 16:
                 return (8, 1, 128, 16)
             return (4, 2, 128, rows_x) if rows_x == 32 or n > k else (8, 1, 64, rows_x)
@@ -240,15 +235,10 @@ class KernelPolicy:
             return (4, 1, 256, 16)
         return (4, row_tiles, 128, rows_x)
 
-    def mma_int4_uses_wgmma(self, n: int, k: int, rows: int) -> bool:
-        """Whether a tensor-core INT4 product of `rows` rows times an [n, k] matrix runs the warpgroup (wgmma)
-        kernel: wide products (QKV, gate / up) from 8 rows, long-K ones (down) from 16, square ones (attention
-        output) past 16. The winners per product and row count on an H100 (bench/int4_mma_rows.py, seed-407m):
-        the mma.sync kernel keeps out at 8-16 rows (6.0-6.6 µs against 8.3-8.7) and down at 8 (8.0 against 9.7)."""
-        if not self.mma_int4_wgmma:
-            return False
-        wide, long_k, square = self.mma_int4_wgmma_from
-        return rows >= (wide if n > k else long_k if k > n else square)
+    def mma_int4_takes_rows(self, rows: int) -> bool:
+        """Whether a product of `rows` rows of x runs the tensor-core INT4 kernel (where a step takes it at all)."""
+        lowest = self.mma_int4_wgmma_min_rows if self.mma_int4_wgmma else self.mma_int4_min_rows
+        return self.mma_int4 and max(2, lowest) <= rows <= self.mma_int4_max_rows
 
     def gluon_tile(self, n: int, k: int, act: int, rows: int = 1) -> tuple[int, int, int, int, int]:
         """(weight rows per thread, lanes along rows, blocks per thread, warps along rows, warps along blocks)

@@ -247,7 +247,7 @@ class FusedDecoder:
 
     def mma_int4_weights(self, batch: int, tokens: int) -> Mapping[int, ProductWeight]:
         """The INT4 matrices in the tensor-core INT4 kernel's layout (those its tile divides), made on first use,
-        for batched one-token steps of policy.mma_int4_min_rows to mma_int4_max_rows sequences in 16-bit
+        for batched one-token steps of as many sequences as the policy's tensor-core range takes, in 16-bit
         compute (and a single sequence's steps of that many tokens with policy.mma_int4_few_tokens); the others
         keep their INT4 kernels."""
         if not self._takes_mma_int4(batch, tokens):
@@ -269,11 +269,9 @@ class FusedDecoder:
 
     def _takes_mma_int4(self, batch: int, tokens: int) -> bool:
         policy = self.kernels.policy
-        rows = batch * tokens
         token_count_taken = tokens == 1 or policy.mma_int4_few_tokens
-        in_range = token_count_taken and max(2, policy.mma_int4_min_rows) <= rows <= policy.mma_int4_max_rows
         fits = self._tinygemm_fits and self.engine.dtype in (torch.bfloat16, torch.float16)
-        return policy.mma_int4 and in_range and fits and gluon_int4_mma.available()
+        return token_count_taken and policy.mma_int4_takes_rows(batch * tokens) and fits and gluon_int4_mma.available()
 
     def tinygemm_weights(self, batch: int, tokens: int) -> dict[int, CudaTinygemmWeight]:
         """The INT4 matrices repacked for torch's tinygemm kernel (those whose shape it takes), made on first use,
@@ -297,8 +295,8 @@ class FusedDecoder:
     def dense_copies(self, batch: int, tokens: int) -> dict[int, torch.Tensor]:
         """The 16-bit copies a step of `batch` sequences x `tokens` tokens multiplies instead of the INT4
         matrices (by id), made on first use; empty where the policy or the memory budget says the INT4 kernels.
-        A single sequence's few-token steps (speculative verification) keep the INT4 kernels: their weights
-        are the one-token step's, not rounded to 16 bits, so verification agrees with plain decoding."""
+        A single sequence's few-token steps (speculative verification) never take them: they run the INT4
+        kernels, or the tensor-core INT4 kernel where the policy gives it those steps (`mma_int4_few_tokens`)."""
         policy = self.kernels.policy
         taken = self._takes_tinygemm(batch, tokens) or bool(self.mma_int4_weights(batch, tokens))
         batched = batch >= policy.dense_copy_min_rows and not taken
