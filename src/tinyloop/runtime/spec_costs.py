@@ -24,7 +24,10 @@ EXTRA_TOKEN_COST = 0.15
 # tensor-core kernel (two launches per matrix, about a quarter of the GEMV's bandwidth). Measured on an H200
 # at 2 / 8 with every draft accepted: each further token cost 0.41 of a step
 # for seed-407m (d_model 2048, bound by weight bytes) and 0.98 for the built-in tiny (d_model 384, bound
-# by launches), so CUDA models below CUDA_LARGE_D_MODEL count a full step and decode plain.
+# by launches), so CUDA models below CUDA_LARGE_D_MODEL count a full step and decode plain. On Hopper, 16-bit
+# verification passes take the warpgroup INT4 kernel (KernelPolicy.mma_int4_few_tokens), where a further token
+# costs about 0.05 of a step (H100, seed-407m: 5 rows 1.50 ms, one 1.25); the prior keeps the other GPUs' cost,
+# under which the policy still drafts on seed-407m (1.49x plain against 1.52x always drafting).
 EXTRA_TOKEN_COST_BY_DEVICE = {"cpu": EXTRA_TOKEN_COST, "cuda": 0.45}
 CUDA_SMALL_MODEL_EXTRA_TOKEN_COST = 1.0
 CUDA_LARGE_D_MODEL = 1024
