@@ -123,7 +123,7 @@ class FusedDecoder:
         self.tinygemm_bytes = 0  # counted in vram_usage_mb
         # id(INT4 matrix) -> it in the tensor-core INT4 kernel's layout, made by the first batched step it takes.
         self._mma_int4: dict[int, CudaMmaInt4Weight] = {}
-        # batch size -> the copies its tile divides (a step's weights are looked up at least twice).
+        # rows (batch x tokens) -> the copies its tile divides (a step's weights are looked up at least twice).
         self._mma_int4_by_rows: dict[int, dict[int, CudaMmaInt4Weight]] = {}
         self.mma_int4_bytes = 0  # counted in vram_usage_mb
         self._qkv_bias: dict[int, torch.Tensor | None] = {}
