@@ -7,7 +7,10 @@ arrival order, as back-to-back `generate_batch` calls of B rows, B = the Schedul
 ratio, and TTFT p50/p99 (Scheduler: from submission; static: from the start of the run). Throughput is
 also given per second of this process's CPU time, which other jobs on a shared machine do not inflate.
 
-    PYTHONPATH=src python bench/poisson_arrivals.py                        # GPU defaults: 256 requests
+--warm-up first runs both over the same requests untimed, so that neither pays for compiling kernels or capturing
+graphs (on a fresh GPU machine that took ~10 s, all of it inside the Scheduler's timed run, which goes first).
+
+    PYTHONPATH=src python bench/poisson_arrivals.py --warm-up                # GPU defaults: 256 requests
     PYTHONPATH=src python bench/poisson_arrivals.py --requests 48 --prompt 32 128 --output 16 64 --rate 4 --threads 1
 """
 
@@ -102,17 +105,21 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, help="torch threads (default: torch's); on a shared CPU give 1")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--warm-up", action="store_true", help="run both once over the same requests, untimed, first")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     model = tinyloop.Model(args.model, max_seq_len=args.prompt[1] + args.output[1])
     prompts, outputs, arrivals = _requests(args)
+    if args.warm_up:
+        warm = run_scheduler(model, prompts, outputs, arrivals, args)
+        run_static(model, prompts, outputs, max(1, round(warm["mean_batch"])))
     sched = run_scheduler(model, prompts, outputs, arrivals, args)
     static = run_static(model, prompts, outputs, max(1, round(sched["mean_batch"])))
     result = {
         "model": args.model, "device": str(model.device), "torch": torch.__version__,
         "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(), "args": vars(args),
+        "cpu": platform.processor() or platform.machine(), "args": vars(args), "warmed_up": args.warm_up,
         "scheduler": sched, "static": static, "throughput_ratio": sched["tokens_per_s"] / static["tokens_per_s"],
         "cpu_throughput_ratio": sched["tokens_per_cpu_s"] / static["tokens_per_cpu_s"],
     }  # fmt: skip
