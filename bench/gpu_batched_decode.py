@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 import torch
+from gpu_speculative import timed
 from gpu_suite import policy_overrides
 
 import tinyloop
@@ -100,14 +101,8 @@ def speculative(model: tinyloop.Model, vocab: int) -> dict:
 
     def median_s(fn):  # type: ignore[no-untyped-def]
         fn()
-        times = []
-        for _ in range(3):
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            out = fn()
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times), out
+        runs = [timed(fn) for _ in range(3)]
+        return statistics.median(s for s, _ in runs), runs[-1][1]
 
     plain_s, plain = median_s(lambda: model.generate(prompt, 128, loops=8, temperature=0.0))
     result: dict = {"plain_128_tokens_ms": plain_s * 1e3}

@@ -145,13 +145,19 @@ def _cached_attention_kernel(
 
 
 @triton.jit
+def _rotated_halves(x_ptr, idx1, idx2, c, s):
+    """The two halves of each rotated pair of the head vector at x_ptr (float32)."""
+    return _rotate(tl.load(x_ptr + idx1).to(tl.float32), tl.load(x_ptr + idx2).to(tl.float32), c, s)
+
+
+@triton.jit
 def _rotated(x_ptr, pos, cos_ptr, sin_ptr, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
     """The head vector at x_ptr rotated to position `pos`, whole ([HEAD_DIM], float32, in its own element
     order): `_rotate` on the pair halves (contiguous loads), joined back."""
     half, idx1, idx2 = _rope_pairs(HEAD_DIM, INTERLEAVED)
     c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + half)
     s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + half)
-    y1, y2 = _rotate(tl.load(x_ptr + idx1).to(tl.float32), tl.load(x_ptr + idx2).to(tl.float32), c, s)
+    y1, y2 = _rotated_halves(x_ptr, idx1, idx2, c, s)
     pairs = tl.join(y1, y2)  # [HEAD_DIM / 2, 2]: element (i, 0) is x[idx1[i]], (i, 1) is x[idx2[i]]
     if INTERLEAVED:
         return tl.reshape(pairs, [HEAD_DIM])
@@ -272,9 +278,9 @@ def _attend(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, part_p
     else:
         c = tl.load(cos_ptr + pos * (HEAD_DIM // 2) + half)
         s = tl.load(sin_ptr + pos * (HEAD_DIM // 2) + half)
-        k1, k2 = _rotate(tl.load(k_base + idx1).to(tl.float32), tl.load(k_base + idx2).to(tl.float32), c, s)
+        k1, k2 = _rotated_halves(k_base, idx1, idx2, c, s)
         k1, k2 = k1.to(dt), k2.to(dt)
-        q1, q2 = _rotate(tl.load(q_base + idx1).to(tl.float32), tl.load(q_base + idx2).to(tl.float32), c, s)
+        q1, q2 = _rotated_halves(q_base, idx1, idx2, c, s)
         q1 = q1.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
         q2 = q2.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
     v_new = tl.load(row + (N_HEADS + N_KV + kvh) * HEAD_DIM + offs_d).to(dt)
