@@ -8,7 +8,7 @@ ratio, and TTFT p50/p99 (Scheduler: from submission; static: from the start of t
 also given per second of this process's CPU time, which other jobs on a shared machine do not inflate.
 
 --warm-up first runs both over the same requests untimed, so that neither pays for compiling kernels or capturing
-graphs (on a fresh GPU machine that took ~10 s, all of it inside the Scheduler's timed run, which goes first).
+graphs (on a fresh H100 the Scheduler's timed run, which goes first, took 9 s more wall clock than CPU time).
 
     PYTHONPATH=src python bench/poisson_arrivals.py --warm-up                # GPU defaults: 256 requests
     PYTHONPATH=src python bench/poisson_arrivals.py --requests 48 --prompt 32 128 --output 16 64 --rate 4 --threads 1
