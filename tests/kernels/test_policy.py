@@ -104,6 +104,19 @@ def test_tile_rules_give_the_measured_tiles() -> None:
     assert policy.attention_block(128) == (256, 8) and policy.attention_block(64) == (128, 4)
 
 
+def test_one_token_attention_splits_keys_until_about_a_thousand_programs_run() -> None:
+    policy = KernelPolicy()
+    splits = {rows: policy.rope_attention_tile(rows, 16, 128) for rows in (1, 2, 3, 4, 5, 8, 16, 32, 64, 128)}
+    assert {rows: tile[0] for rows, tile in splits.items()} == {
+        1: 16, 2: 16, 3: 16, 4: 16, 5: 8, 8: 8, 16: 4, 32: 2, 64: 1, 128: 1
+    }  # fmt: skip
+    assert {tile[1:] for tile in splits.values()} == {policy.split_attention_tile}
+    assert policy.rope_attention_tile(8, 32, 128)[0] == 4  # twice the heads, half the splits
+    assert policy.rope_attention_tile(8, 6, 64) == (1, *policy.narrow_head_attention_tile)  # narrow heads whole
+    tuned = KernelPolicy(rope_attention_tiles={(8, 16, 128): (2, 64, 4)})
+    assert tuned.rope_attention_tile(8, 16, 128) == (2, 64, 4) and tuned.rope_attention_tile(4, 16, 128)[0] == 16
+
+
 @pytest.mark.parametrize("n", [1, 37, 896, 3000, 14336, 151936])
 @pytest.mark.parametrize("k", [64, 896, 2560, 4096, 18944])
 def test_tile_rules_cover_any_shape(n: int, k: int) -> None:

@@ -111,7 +111,7 @@ def naive_one_token_attention(qkv, k_cache, v_cache, pos, cfg):  # type: ignore[
     return out, k_ref, v_ref
 
 
-@pytest.mark.parametrize("split", [(1, 128, 4), (1, 32, 2), (2, 32, 2), (4, 64, 4), (8, 16, 1)],
+@pytest.mark.parametrize("split", [(1, 128, 4), (1, 32, 1), (2, 32, 2), (4, 64, 4), (8, 16, 1), (16, 32, 1)],
                          ids=lambda t: "x".join(map(str, t)))  # fmt: skip
 @pytest.mark.parametrize("pairing", ["half", "interleaved"])
 def test_one_token_rope_attention_matches_float64_with_live_splits(pairing: str, split: tuple[int, int, int]) -> None:
@@ -122,11 +122,9 @@ def test_one_token_rope_attention_matches_float64_with_live_splits(pairing: str,
     cfg, cos, sin, qkv, caches = one_token_problem(pairing, B)
     pos = torch.tensor([0, 7, 64, 65, 260, 299])
     ref, k_ref, v_ref = naive_one_token_attention(qkv, *caches, pos, cfg)
-    splits, block, warps = split
-    if splits == 1:
-        policy = interpreter_policy(narrow_head_attention_tile=(block, warps), split_attention=None)
-    else:
-        policy = interpreter_policy(split_attention=split, split_attention_min_head_dim=16)
+    splits = split[0]
+    policy = interpreter_policy(rope_attention_tiles={(B, H, hd): split})
+    if splits > 1:
         cuda_ops._split_scratch(qkv.device, B * H, splits, hd)[0].fill_(float("nan"))
     ops = cuda_ops.CudaKernels(policy)  # type: ignore[arg-type]
     k_cache, v_cache = (c.clone() for c in caches)
@@ -379,9 +377,11 @@ def test_one_token_rope_attention_equals_two_kernels(
 ) -> None:
     """Both attention tiles (keys per block, warps), positions past one block of either; split along the
     keys (positions 0 and 7 leave splits empty), twice, so the arrival counts must have been reset."""
-    policy = interpreter_policy(narrow_head_attention_tile=tile, split_attention=split, split_attention_min_head_dim=16)
-    ops = cuda_ops.CudaKernels(policy)  # type: ignore[arg-type]
     B, H, KVH, hd = 3, 4, 2, 16
+    policy = interpreter_policy(
+        narrow_head_attention_tile=tile, rope_attention_tiles={(B, H, hd): split} if split else {}
+    )
+    ops = cuda_ops.CudaKernels(policy)  # type: ignore[arg-type]
     _, cos, sin, qkv, (k_cache, v_cache) = one_token_problem(pairing, B)
     k2, v2 = k_cache.clone(), v_cache.clone()
     pos = torch.tensor([0, 7, 260])
@@ -427,7 +427,7 @@ def test_narrow_heads_are_not_split(monkeypatch: pytest.MonkeyPatch) -> None:
     qkv = torch.randn(B, 3 * H * hd, generator=gen)
     caches = torch.randn(B, H, S, hd, generator=gen), torch.randn(B, H, S, hd, generator=gen)
     pos = torch.tensor([5, 33])
-    whole = cuda_ops.CudaKernels(interpreter_policy(split_attention=None)).rope_attention(  # type: ignore[arg-type]
+    whole = cuda_ops.CudaKernels(interpreter_policy(rope_attention_tiles={(B, H, hd): (1, 128, 4)})).rope_attention(  # type: ignore[arg-type]
         qkv, *(c.clone() for c in caches), pos, cos, sin, H, H, hd, False
     )
 
@@ -435,5 +435,5 @@ def test_narrow_heads_are_not_split(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("a narrow head was split")
 
     monkeypatch.setattr(cuda_ops, "_split_scratch", no_scratch)
-    assert POLICY.split_attention == (4, 64, 4) and hd < POLICY.split_attention_min_head_dim
+    assert POLICY.rope_attention_tile(B, H, 128)[0] > 1 and hd < POLICY.split_attention_min_head_dim
     assert torch.equal(ops.rope_attention(qkv, *(c.clone() for c in caches), pos, cos, sin, H, H, hd, False), whole)

@@ -519,15 +519,13 @@ def rope_attention(
     interleaved: bool,
 ) -> torch.Tensor:
     """One token per sequence: `rope_store` + `cached_attention` in one launch. qkv [B, (H + 2 KVH) hd],
-    positions [B] -> [B, H * hd]; the new key and value are written into the cache at `positions`. Heads of at
-    least `split_attention_min_head_dim` split the keys among several programs (policy.split_attention)."""
+    positions [B] -> [B, H * hd]; the new key and value are written into the cache at `positions`. The keys of
+    each (row, head) are split among `policy.rope_attention_tile`'s programs."""
     rows = qkv.shape[0]
     out = torch.empty((rows, n_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
-    block, warps = policy.attention_block(head_dim)
-    splits = 1
+    splits, block, warps = policy.rope_attention_tile(rows, n_heads, head_dim)
     part = count = out
-    if policy.split_attention is not None and head_dim >= policy.split_attention_min_head_dim:
-        splits, block, warps = policy.split_attention
+    if splits > 1:
         part, count = _split_scratch(qkv.device, rows * n_heads, splits, head_dim)
     _rope_attention_kernel[(rows, n_heads, splits)](
         qkv, k_cache, v_cache, positions, cos, sin, out, part, count, head_dim**-0.5, qkv.stride(0),

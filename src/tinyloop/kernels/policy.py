@@ -135,9 +135,14 @@ class KernelPolicy:
     # Cached attention (keys per block, warps) for heads of at least 128 and for narrower heads.
     attention_tile: tuple[int, int] = (256, 8)
     narrow_head_attention_tile: tuple[int, int] = (128, 4)
-    # One-token attention split along the keys (splits, keys per block, warps) for heads of at least
-    # `split_attention_min_head_dim`; None: one program per (row, head).
-    split_attention: tuple[int, int, int] | None = (4, 64, 4)
+    # One-token attention (`rope_attention_tile`) for heads of at least `split_attention_min_head_dim`: the keys
+    # split among programs of `split_attention_tile` (keys per block, warps) until about `split_attention_programs`
+    # run (at most `split_attention_max_splits` per head). H100, seed-407m's 16 heads of 128 (docs/BENCHMARKS.md):
+    # one-warp programs of 32 keys at 1,024 programs took 30.7 / 19.4 / 6.5 us at 64 / 32 / 8 rows of 160 positions
+    # against 60.7 / 31.1 / 8.8 for four splits of 64 keys at 4 warps, and 9.4 against 21.5 us at one row of 1,024.
+    split_attention_tile: tuple[int, int] = (32, 1)
+    split_attention_programs: int = 1024
+    split_attention_max_splits: int = 16
     split_attention_min_head_dim: int = 128
     # RoPE + cache write: rows per program.
     rope_block_rows: int = 16
@@ -154,6 +159,8 @@ class KernelPolicy:
     blocked_tiles: Mapping[Shape, tuple[int, int, int]] = field(default_factory=dict)
     splitk_tiles: Mapping[Shape, tuple[int, int, int, int]] = field(default_factory=dict)
     gluon_tiles: Mapping[tuple[int, int, int, int], tuple[int, int, int, int, int]] = field(default_factory=dict)
+    # (rows, heads, head_dim) -> (splits, keys per block, warps) of the one-token attention.
+    rope_attention_tiles: Mapping[Shape, tuple[int, int, int]] = field(default_factory=dict)
     # (N, K, rows) -> (warps, row tiles per warp, BLOCK_K, x rows per program) of the tensor-core INT4 kernel.
     mma_int4_tiles: Mapping[Shape, tuple[int, int, int, int]] = field(default_factory=dict)
     # (d_model, ffn, rows) -> tile of the persistent MLP kernel.
@@ -267,6 +274,17 @@ class KernelPolicy:
 
     def attention_block(self, head_dim: int) -> tuple[int, int]:
         return self.attention_tile if head_dim >= 128 else self.narrow_head_attention_tile
+
+    def rope_attention_tile(self, rows: int, n_heads: int, head_dim: int) -> tuple[int, int, int]:
+        """(splits, keys per block, warps) of the one-token attention over `rows` rows of `n_heads` heads: the
+        power of two of splits that brings the programs nearest `split_attention_programs` from below (one
+        at least); heads narrower than `split_attention_min_head_dim` whole, in one program each."""
+        if (rows, n_heads, head_dim) in self.rope_attention_tiles:
+            return self.rope_attention_tiles[(rows, n_heads, head_dim)]
+        if head_dim < self.split_attention_min_head_dim:
+            return (1, *self.attention_block(head_dim))
+        wanted = min(self.split_attention_max_splits, self.split_attention_programs // max(1, rows * n_heads))
+        return (1 << (max(1, wanted).bit_length() - 1), *self.split_attention_tile)
 
     def staged_applies(self, n: int, k: int, act: int) -> bool:
         """Whether an (N, K, act) one-row product takes the staged GEMV (where `staged_gemv` is on). Rule: the
