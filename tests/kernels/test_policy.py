@@ -108,8 +108,9 @@ def test_one_token_attention_splits_keys_until_about_a_thousand_programs_run() -
     policy = KernelPolicy()
     splits = {rows: policy.rope_attention_tile(rows, 16, 128) for rows in (1, 2, 3, 4, 5, 8, 16, 32, 64, 128)}
     assert {rows: tile[0] for rows, tile in splits.items()} == {
-        1: 16, 2: 16, 3: 16, 4: 16, 5: 8, 8: 8, 16: 4, 32: 2, 64: 1, 128: 1
+        1: 4, 2: 16, 3: 16, 4: 16, 5: 8, 8: 8, 16: 4, 32: 2, 64: 1, 128: 1
     }  # fmt: skip
+    assert splits.pop(1) == policy.one_row_attention_tile == (4, 64, 4)  # the one-row step as it was
     assert {tile[1:] for tile in splits.values()} == {policy.split_attention_tile}
     assert policy.rope_attention_tile(8, 32, 128)[0] == 4  # twice the heads, half the splits
     assert policy.rope_attention_tile(8, 6, 64) == (1, *policy.narrow_head_attention_tile)  # narrow heads whole
