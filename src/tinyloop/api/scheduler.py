@@ -20,6 +20,7 @@ from tinyloop.runtime.requests import Request, RequestHandle, RequestStats
 from tinyloop.runtime.sampling import TokenPicker
 from tinyloop.runtime.scheduler import PrefixHooks, SchedulerLimits, SlotScheduler
 from tinyloop.runtime.stop_strings import StopStringFilter
+from tinyloop.runtime.warm_up import WarmUpReport, decode_buckets, warm_up
 from tinyloop.sampling import SamplingParams
 
 # The prefix pool a Scheduler keeps by default (prefix_pool=True): at most this many bytes of prompt K/V.
@@ -30,6 +31,9 @@ DEFAULT_QUEUE = 1024
 # docs/BENCHMARKS.md: 1,024 gave 1.08x a static batch's throughput where 256 gave 0.84x).
 DEFAULT_PREFILL_CHUNK = {"cpu": 256, "cuda": 1024}
 DEFAULT_PREFILL_ROWS = 4
+# The prompts warm_up prefills besides the one-token prompts of its decode waves: 16 tokens (the longest step
+# a GPU's cached-attention kernel takes) and a longer one (SDPA's), each cut to fit max_seq_len.
+WARM_UP_PROMPT_LENGTHS = (16, 256)
 
 
 def _positive(name: str, value: Any) -> int:
@@ -57,6 +61,7 @@ class Scheduler(SlotScheduler):
     Admission starts from the pool's longest matching prefix; each prefilled prompt is offered to it.
 
     Run with start()/stop() or `with tinyloop.Scheduler(model) as s:` (stop drains on a normal exit).
+    `warm_up()` before the first request pays a GPU's first-use compiles and graph captures up front.
     """
 
     def __init__(
@@ -154,6 +159,12 @@ class Scheduler(SlotScheduler):
             l_warmup_loops=l_warmup_loops, logprobs=logprobs, exit_criterion=exit_criterion, exit_tol=exit_tol,
             min_loops=min_loops,
         )  # fmt: skip
+        return self._enqueue(self._request(ids, params))
+
+    def _request(self, ids: torch.Tensor, params: SamplingParams) -> Request:
+        """The scheduled request for a checked prompt and its params; ValueError where this scheduler's limits
+        refuse it."""
+        model = self.model
         n_loops = params.loops
         assert n_loops is not None
         limits = self.limits
@@ -171,7 +182,48 @@ class Scheduler(SlotScheduler):
         stop_filter = StopStringFilter(vocab, params.stop) if params.stop and vocab is not None else None
         handle = RequestHandle(int(ids.numel()))
         handle.stats.logprobs = row.stats.logprobs  # the decode loop's records, read as the tokens arrive
-        return self._enqueue(Request(row, handle, stop_filter))
+        return Request(row, handle, stop_filter)
+
+    def warm_up(self) -> WarmUpReport:
+        """Run a fixed set of internal requests through this scheduler before any traffic, so that what a GPU
+        does on first use (compile Triton kernels, capture a CUDA graph per decode batch size) happens here
+        rather than inside the first requests (a cold H100 put ~10 s of it there).
+
+        One wave per decode batch size (the powers of two below max_batch, then max_batch), largest first:
+        that many one-token greedy prompts, queued together, so that they fill the leading slots and decode
+        at least one step together at the default loops (the model's default, at most max_loops). Then a
+        16-token prompt, sampled (temperature 0.8, top_p 0.9, seed 0), and a greedy one of up to 256 tokens,
+        both cut to fit max_seq_len. A few tokens each: a few seconds on the CPU for the built-in model at
+        max_batch 8, and on a GPU mostly the compiles and captures themselves.
+
+        Works started (the engine thread runs the requests) or not (it steps the scheduler itself). It
+        leaves no trace: every slot free, nothing read from or offered to the prefix pool, `stats()` as
+        before. Returns a WarmUpReport (seconds, the batch sizes decoded, loops, requests run).
+
+        Raises RuntimeError if requests are waiting or running (warm it up before submitting), or if a
+        warm-up request fails; `submit` raises RuntimeError while the warm-up runs. ValueError: max_seq_len
+        too short for a decode step."""
+        model = self.model
+        model._check_open()
+        limits = self.limits
+        loops = min(model._loops(None), limits.max_loops)
+        # Each request must still hold its slot when its wave's last one is admitted (one-token prompts: up
+        # to prefill_chunk_tokens of them per step), so that a decode step spans the whole wave.
+        max_tokens = 1 + -(-limits.max_batch // limits.prefill_chunk_tokens)
+        room = limits.max_seq_len - max_tokens
+        if room < 1:
+            raise ValueError(f"warm_up needs max_seq_len >= {max_tokens + 1} for a decode step of every batch "
+                             f"size; this scheduler's is {limits.max_seq_len}")  # fmt: skip
+        vocab = model.header.config.vocab_size
+
+        def request(length: int, first: int, **sampling: Any) -> Request:
+            ids = torch.arange(first, first + length) % vocab
+            return self._request(ids, model._params(max_tokens=max_tokens, loops=loops, **sampling))
+
+        waves = [[request(1, i, temperature=0.0) for i in range(size)] for size in decode_buckets(limits.max_batch)]
+        short, long = (min(length, room) for length in WARM_UP_PROMPT_LENGTHS)
+        waves.append([request(short, 0, temperature=0.8, top_p=0.9, seed=0), request(long, 1, temperature=0.0)])
+        return warm_up(self, waves, loops)
 
     def _exit_criterion(self, params: SamplingParams) -> ExitCriterion | None:
         if params.exit_criterion is None:
@@ -188,4 +240,4 @@ class Scheduler(SlotScheduler):
         return self._vocab
 
 
-__all__ = ["RequestHandle", "RequestStats", "Scheduler"]
+__all__ = ["RequestHandle", "RequestStats", "Scheduler", "WarmUpReport"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import signal
 import socket
@@ -45,6 +46,10 @@ def build_parser() -> Parser:
         help="deepest loops a request may ask (default: the model's default loops)",
     )
     add_device_arguments(p)
+    p.add_argument("--warm-up", action=argparse.BooleanOptionalAction, default=None,
+                   help="before GET /health answers 200, run a few requests through every decode batch size, so that "
+                   "kernel compiles and CUDA graph captures are not paid by the first requests (default: on CUDA "
+                   "only)")  # fmt: skip
     p.add_argument("--shutdown-grace", type=non_negative_float, default=10.0, metavar="S",
                    help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are aborted "
                    "(default: 10)")  # fmt: skip
@@ -81,9 +86,10 @@ def run_serve(path: str, argv: list[str]) -> int:
 
     host, port = sock.getsockname()[:2]
     print(f"tinyloop serve: listening on http://{host}:{port} (OpenAI API under /v1; GET /health answers 200 "
-          "once the model has loaded)", file=sys.stderr, flush=True)  # fmt: skip
+          "once the model is ready)", file=sys.stderr, flush=True)  # fmt: skip
     serve(load, sock, served_model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
-          max_queue=args.max_queue, max_loops=args.max_loops, shutdown_grace_s=args.shutdown_grace)  # fmt: skip
+          max_queue=args.max_queue, max_loops=args.max_loops, shutdown_grace_s=args.shutdown_grace,
+          warm_up=args.warm_up)  # fmt: skip
     return 0
 
 
@@ -116,7 +122,7 @@ def _serve_on_ray(path: str, args: Any) -> int:
                        "dtype": torch_dtype(args.dtype, args.device)},
         served_model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
         max_queue=args.max_queue, max_seq_len=args.max_seq_len, max_loops=args.max_loops,
-        shutdown_grace_s=args.shutdown_grace,
+        shutdown_grace_s=args.shutdown_grace, warm_up=args.warm_up,
     )  # fmt: skip
     ray.init(address=args.ray_address, log_to_driver=False)
     stop = threading.Event()

@@ -19,10 +19,11 @@ bounded by max_queue, so memory never grows with the load.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -56,6 +57,12 @@ class PrefixHooks:
     model_key: str
     usable: Callable[[int, int], bool]
     make_entry: Callable[[np.ndarray, int, dict[str, torch.Tensor], torch.Tensor], Any]
+
+
+def step_rows(last_live: int, max_batch: int) -> int:
+    """The slots a decode step covers: the leading ones up to the last live row (`last_live`), rounded up to
+    a power of two (the bucket a captured graph would serve), at most max_batch."""
+    return min(1 << last_live.bit_length(), max_batch)
 
 
 @dataclass(frozen=True)
@@ -95,6 +102,8 @@ class SlotScheduler:
         self._stopping = False
         self._drain = True
         self._closed = False
+        self._warming_up = False
+        self.decoded_buckets: Counter[tuple[int, int]] = Counter()  # decode steps per (slots stepped, loops)
         self._counts = dict.fromkeys(
             ("prompt_tokens", "generated_tokens", "prefix_hit_requests", "prefix_hit_tokens", "finished",
              "aborted", "failed", "prefill_steps", "prefill_rows", "decode_steps", "decode_rows",
@@ -106,6 +115,8 @@ class SlotScheduler:
         with self._cond:
             if self._closed or self._stopping:
                 raise RuntimeError("the scheduler was stopped; create a new one to submit requests")
+            if self._warming_up:
+                raise RuntimeError("the scheduler is warming up; submit requests once warm_up() has returned")
             if len(self._waiting) >= self.limits.max_queue:
                 raise QueueFullError(
                     f"the scheduler's queue is full ({self.limits.max_queue} waiting requests, max_queue); "
@@ -181,6 +192,7 @@ class SlotScheduler:
         with self._cond:
             self._abort_all()
             self._closed = True
+            self._cond.notify_all()
 
     def _abort_all(self) -> None:
         while self._waiting:
@@ -196,6 +208,52 @@ class SlotScheduler:
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.stop(drain=exc_type is None)
+
+    @contextlib.contextmanager
+    def _untraced(self) -> Iterator[None]:
+        """Requests run inside leave no trace (a warm-up's): on an idle scheduler only, submissions refused
+        meanwhile, nothing read from or offered to the prefix pool, `stats()` afterwards as before."""
+        with self._cond:
+            if self._closed or self._stopping:
+                raise RuntimeError("the scheduler was stopped; create a new one to warm up")
+            if self._warming_up:
+                raise RuntimeError("the scheduler is already warming up")
+            running = sum(r is not None for r in self._rows)
+            if running or self._waiting:
+                raise RuntimeError(f"warm_up needs an idle scheduler, but {running} requests are running and "
+                                   f"{len(self._waiting)} waiting; warm it up before submitting requests")  # fmt: skip
+            self._warming_up = True
+            counts, prefix, self.prefix = dict(self._counts), self.prefix, None
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._counts.update(counts)
+                self.prefix = prefix
+                self._warming_up = False
+
+    def _run_wave(self, wave: list[Request]) -> None:
+        """Queue the wave's requests together (so one step admits them all) and wait until every slot is free."""
+        with self._cond:
+            if self._closed or self._stopping:
+                raise RuntimeError("the scheduler was stopped during its warm-up")
+            self._waiting.extend(wave)
+            self._cond.notify_all()
+        if self._thread is None:
+            while self._has_work():
+                try:
+                    self.step()
+                except Exception as exc:
+                    self._fail_all(exc)
+                    raise RuntimeError(f"the warm-up failed: {exc}") from exc
+        else:
+            with self._cond:  # the engine thread notifies after every step, and when stopped
+                self._cond.wait_for(lambda: self._closed or not self._has_work())
+        for req in wave:
+            reason = req.handle.finish_reason
+            if reason not in ("length", "stop"):
+                cause = f": {req.handle.error}" if req.handle.error is not None else ""
+                raise RuntimeError(f"a warm-up request ended with '{reason}'{cause}") from req.handle.error
 
     # ---- engine side (one thread) -------------------------------------------------------------
     def _has_work(self) -> bool:
@@ -213,6 +271,8 @@ class SlotScheduler:
                 self.step()
             except Exception as exc:  # never leave callers waiting on a dead thread
                 self._fail_all(exc)
+            with self._cond:
+                self._cond.notify_all()  # a warm-up waits for the slots to be free
 
     def _fail_all(self, exc: Exception) -> None:
         with self._cond:
@@ -476,9 +536,7 @@ class SlotScheduler:
         rows = self._decoding()
         live = [b for b, row in enumerate(rows) if row is not None and not row.done]
         loops = max(rows[b].loops for b in live)  # type: ignore[union-attr]
-        # The step covers the leading slots up to the last live row, rounded up to a power of two (the
-        # bucket a captured graph would serve): new requests take the lowest free slot.
-        n = min(1 << (live[-1]).bit_length(), len(rows))
+        n = step_rows(live[-1], len(rows))  # new requests take the lowest free slot
         rows = rows[:n]
         try:
             slots = self.slots
@@ -495,6 +553,7 @@ class SlotScheduler:
                 self._fail(req, exc)
             return
         with self._cond:
+            self.decoded_buckets[n, loops] += 1
             self._counts["decode_steps"] += 1
             self._counts["decode_rows"] += len(live)
             self._counts["decode_iterations"] += max(rows[b].step_depths[-1] for b in live)  # type: ignore[union-attr]

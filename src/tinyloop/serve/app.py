@@ -24,6 +24,7 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException
 
+from tinyloop import log
 from tinyloop.serve.engine import ServeEngine
 from tinyloop.serve.errors import APIError, error_body
 from tinyloop.serve.explorer import STATIC, LensRequest, lens_report, sequence_ids, trajectory_report
@@ -46,12 +47,17 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completio
 
 
 class ServerState:
-    """The model, its engine and the server's metrics; `ready` once the model has loaded."""
+    """The model, its engine and the server's metrics; `ready` once the model has loaded and, where warm_up is
+    on (None: on CUDA), its scheduler has warmed up."""
 
-    def __init__(self, name: str | None, api_key: str | None, engine_options: dict[str, Any]) -> None:
+    def __init__(
+        self, name: str | None, api_key: str | None, engine_options: dict[str, Any], warm_up: bool | None
+    ) -> None:
         self.name = name
         self.api_key = api_key
         self.engine_options = engine_options
+        self.warm_up = warm_up
+        self.warming_up = False
         self.metrics = ServerMetrics()
         self.model: Any = None
         self.engine: Any = None
@@ -63,6 +69,13 @@ class ServerState:
         codec = model.tokenizer if model.has_tokenizer else ByteTokenizer()
         self.engine = ServeEngine(model, **self.engine_options)
         self.engine.start()
+        wanted = model.device.type == "cuda" if self.warm_up is None else self.warm_up
+        if wanted:
+            self.warming_up = True
+            report = self.engine.scheduler.warm_up()
+            self.warming_up = False
+            log.info(f"warm-up: {report.seconds:.1f} s, decode steps of {', '.join(map(str, report.buckets))} rows "
+                     f"at {report.loops} loops ({report.requests} requests)")  # fmt: skip
         self.codec = codec
         opts = self.engine_options
         threads = opts["max_batch"] + 2 * opts["max_queue"] + 8  # one per stream that may be waiting for a token
@@ -72,8 +85,14 @@ class ServerState:
 
     def ready(self) -> ChoiceRunner:
         if self.runner is None:
-            raise APIError(503, self.load_error or "the model is still loading; retry when GET /health answers 200")
+            raise APIError(503, self.load_error or f"{self.not_ready()}; retry when GET /health answers 200")
         return self.runner
+
+    def not_ready(self) -> str:
+        """Why requests are refused: the load error, or the stage the model is in."""
+        if self.load_error is not None:
+            return self.load_error
+        return "the model is warming up" if self.warming_up else "the model is still loading"
 
 
 def create_app(
@@ -86,22 +105,24 @@ def create_app(
     max_seq_len: int | None = None,
     max_loops: int | None = None,
     shutdown_grace_s: float = 10.0,
+    warm_up: bool | None = None,
 ) -> FastAPI:
     """The server's application for `model` (a tinyloop.Model, or a function returning one, called on a
     background thread at startup: GET /health answers 503 until it returns). served_model_name: the id
     clients send as `model` (default: the model file's stem). api_key: required as `Authorization: Bearer`
     on /v1 and the tokenizer endpoints. max_batch / max_queue / max_seq_len / max_loops: the scheduler's
     rows, waiting requests, positions per request (default: the model's) and deepest loops (default: the
-    model's default loops). shutdown_grace_s: what in-flight requests may take at shutdown."""
+    model's default loops). shutdown_grace_s: what in-flight requests may take at shutdown. warm_up: run
+    `Scheduler.warm_up` after loading, before GET /health answers 200 (None: where the model is on CUDA)."""
     engine_options = dict(max_batch=max_batch, max_queue=max_queue, max_seq_len=max_seq_len, max_loops=max_loops)
-    state = ServerState(served_model_name, api_key, engine_options)
+    state = ServerState(served_model_name, api_key, engine_options, warm_up)
 
     def load() -> None:
         try:
             loaded = model() if callable(model) and not hasattr(model, "generate") else model
             state.attach(loaded, _default_name(loaded))
         except Exception as exc:  # reported by /health and every endpoint instead of a dead server
-            state.load_error = f"the model failed to load: {exc}"
+            state.load_error = f"the model failed to {'warm up' if state.warming_up else 'load'}: {exc}"
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -136,12 +157,12 @@ def create_app(
     @app.get("/health")
     def health() -> Response:
         if state.runner is None:
-            return _error(APIError(503, state.load_error or "the model is loading"))
+            return _error(APIError(503, state.not_ready()))
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     def metrics() -> Response:
-        counts = state.engine.counts() if state.engine is not None else {}
+        counts = state.engine.counts() if state.runner is not None else {}  # not the warm-up's requests
         return Response(state.metrics.render(counts), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])

@@ -27,7 +27,8 @@ def serve_application(
 
     replicas: fixed replicas, or with autoscale=True the most (from min_replicas, scaled so each replica
     has about target_ongoing_requests in flight; default: its max_batch). num_gpus / num_cpus: per
-    replica. app_options go to tinyloop.serve.create_app (served_model_name, max_batch, max_queue, ...)."""
+    replica. app_options go to tinyloop.serve.create_app (served_model_name, max_batch, max_queue, warm_up,
+    ...): with warm_up a replica answers GET /health 200 only once its scheduler has warmed up."""
     from ray import serve
 
     from tinyloop.serve.app import create_app
