@@ -47,9 +47,9 @@ def main() -> None:
 
     data = json.loads((ROOT / "bench/results/h100_batched_decode.json").read_text())
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    series = [("seed407m_small_rows", "seed-407m, loops 8", "C0", "-"),
+    series = [("seed407m_attention32", "seed-407m, loops 8", "C0", "-"),
               ("seed407m_base", "seed-407m, base 15d2b20", "C0", "-."),
-              ("ouro_shape_small_rows", "Ouro-1.4B shape, loops 4", "C1", "-")]  # fmt: skip
+              ("ouro_shape_attention32", "Ouro-1.4B shape, loops 4", "C1", "-")]  # fmt: skip
     for key, label, color, style in series:
         rows = data[key]["rows"]
         batches = sorted(int(b) for b in rows)

@@ -312,8 +312,8 @@ def _mma_int4_linear(policy: KernelPolicy, x: torch.Tensor, w: CudaMmaInt4Weight
     splits, tiles_per_split = _k_splits(programs, K // block_k, n_tiles * m_tiles)
     part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
     squares = torch.empty((splits, M), dtype=torch.float32, device=x.device) if flags["NORM"] else part
-    # The mma.sync version and x tiles of 32-64 rows have no registers to spare for a deeper prefetch.
-    deeper = wgmma and rows_x <= 16
+    # The mma.sync version has no registers to spare for a deeper prefetch.
+    deeper = wgmma and rows_x <= policy.mma_int4_wgmma_loads_ahead_max_rows
     ahead = policy.mma_int4_wgmma_loads_ahead if deeper else 1
     registers = policy.mma_int4_wgmma_max_registers if deeper else 0
     cap = {"maxnreg": registers} if registers else {}

@@ -117,8 +117,9 @@ class KernelPolicy:
     # Where `mma_int4_wgmma` is on (sm_90: wgmma is Hopper's alone) every product takes the warpgroup version (x
     # staged once per program in shared memory, where wgmma reads it for every warp), from
     # `mma_int4_wgmma_min_rows` rows, with K split until about `mma_int4_wgmma_programs` programs run. Its x tiles of
-    # up to 16 rows load K tiles `mma_int4_wgmma_loads_ahead` ahead of the one multiplied under a register cap of
-    # `mma_int4_wgmma_max_registers` (two 8-warp programs per SM; offline sm_90a: no spills). H100, seed-407m
+    # up to `mma_int4_wgmma_loads_ahead_max_rows` rows load K tiles `mma_int4_wgmma_loads_ahead` ahead of the one
+    # multiplied under a register cap of `mma_int4_wgmma_max_registers` (two 8-warp programs per SM; offline
+    # sm_90a: no spills). H100, seed-407m
     # (docs/BENCHMARKS.md): its four layer products take 31.3-31.9 µs at 2-8 rows against 38.3 on the 2-row Gluon
     # GEMV and 41.0 on tinygemm at 4 rows; steps of 2 / 4 / 8 rows 1.431 / 1.459 / 1.568 ms against a 1.258 ms
     # one-row step. 64 rows stay on the copies (each product 1.1-1.8x cuBLAS's there).
@@ -126,6 +127,7 @@ class KernelPolicy:
     mma_int4_wgmma_min_rows: int = 2
     mma_int4_wgmma_programs: int = 264
     mma_int4_wgmma_loads_ahead: int = 2
+    mma_int4_wgmma_loads_ahead_max_rows: int = 16
     mma_int4_wgmma_max_registers: int = 128
     # A single sequence's steps of several tokens (speculative verification) whose row count the tensor-core kernel
     # takes run on it too: on an H100 draft 2 / verify 8 on seed-407m went from 1.18-1.25x plain to 1.41-1.55x.
