@@ -1,11 +1,11 @@
 """Batched decode on one CUDA device through the public API: per-step time and aggregate decode tokens/s at
-several batch sizes (`Model.generate_batch_stream`, greedy, 128-token random prompts, 64 timed steps after
-every row's first token, median of 3), optionally a kernel profile per batch size, batched greedy rows
-against each prompt alone in float32 and bfloat16, and self-speculation (draft 2 / verify 8) against plain
-greedy decoding. Runs on an older checkout too (`PYTHONPATH=<tree>/src`), so a baseline shares the machine.
+several batch sizes (`Model.generate_batch_stream`, greedy, random prompts of 128 tokens (`--prompt-tokens`),
+64 timed steps after every row's first token, median of 3), optionally a kernel profile per batch size, batched
+greedy rows against each prompt alone in float32 and bfloat16, and self-speculation (draft 2 / verify 8) against
+plain greedy decoding. Runs on an older checkout too (`PYTHONPATH=<tree>/src`), so a baseline shares the machine.
 
     PYTHONPATH=src python bench/gpu_batched_decode.py --model seed.tinyloop --out seed.json \\
-        [--batches 1 2 4 8 16 32 64] [--loops 8] [--profile 2 64] [--agree] [--speculative] \\
+        [--batches 1 2 4 8 16 32 64] [--loops 8] [--prompt-tokens 128] [--profile 2 64] [--agree] [--speculative] \\
         [--policy gluon_gemv_max_rows=1 dense_copy_min_rows=2] [--tiles rows.json]
 
 --policy and --tiles load the model under a KernelPolicy with those fields replaced (--tiles: the `best_tiles`
@@ -121,6 +121,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--loops", type=int, default=8)
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS, help="tokens of each random prompt")
     parser.add_argument("--profile", type=int, nargs="*", default=[], help="batch sizes to profile")
     parser.add_argument("--agree", action="store_true", help="batched greedy rows against each prompt alone")
     parser.add_argument("--speculative", action="store_true", help="draft 2 / verify 8 against plain greedy")
@@ -132,13 +133,14 @@ def main() -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    model = tinyloop.Model(args.model, max_seq_len=512, device="cuda")
+    model = tinyloop.Model(args.model, max_seq_len=max(512, args.prompt_tokens + STEPS + 8), device="cuda")
     vocab = min(30000, int(model.config["vocab_size"]))
     rng = np.random.default_rng(0)
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "loops": args.loops,
-                    "policy": args.policy, "tiles": args.tiles, "rows": {}}  # fmt: skip
+                    "prompt_tokens": args.prompt_tokens, "policy": args.policy, "tiles": args.tiles,
+                    "rows": {}}  # fmt: skip
     for rows in args.batches:
-        prompts = random_prompts(rng, rows, vocab)
+        prompts = random_prompts(rng, rows, vocab, args.prompt_tokens)
         timed_batch(model, prompts, 4, args.loops)
         runs = [timed_batch(model, prompts, STEPS, args.loops) for _ in range(3)]
         step = statistics.median(r[1] for r in runs)

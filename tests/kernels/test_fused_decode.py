@@ -89,6 +89,32 @@ def test_fused_decode_matches_naive(variant: str) -> None:
     assert max_rel_error(torch.cat(got), ref_logits[prompt:]) <= 1e-4
 
 
+def test_one_row_attention_takes_its_long_cache_tile_from_long_cache_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-row decode whose cache grows past long_cache_keys switches to the long tile there (several live splits
+    merged), with the naive reference's logits on both sides."""
+    cfg, dense, fused, _ = build("pre-concat-zeros-gqa", split_attention_min_head_dim=16, long_cache_keys=7,
+                                 one_row_attention_tile=(1, 16, 1), one_row_long_attention_tile=(4, 2, 1))  # fmt: skip
+    kernels = fused.decoder.kernels  # type: ignore[union-attr]
+    seen: list[bool] = []
+    original = kernels.rope_attention
+
+    def recording(qkv: torch.Tensor, *args: object, long_cache: bool = False) -> torch.Tensor:
+        seen.append(long_cache)
+        return original(qkv, *args, long_cache=long_cache)
+
+    monkeypatch.setattr(kernels, "rope_attention", recording)
+    loops = 2
+    tokens = torch.randint(0, cfg.vocab_size, (9,), generator=torch.Generator().manual_seed(3)).tolist()
+    ref_logits, _, _ = naive_forward(cfg, dense, tokens, loops, fused.noise)
+    cache = fused.new_cache(1, 16, loops)
+    prompt = 5
+    fused.step(torch.tensor([tokens[:prompt]]), cache, loops)
+    got = [fused.step(torch.tensor([[t]]), cache, loops, last_only=True).logits[0] for t in tokens[prompt:]]
+    assert max_rel_error(torch.cat(got), ref_logits[prompt:]) <= 1e-4
+    per_step = cfg.n_prelude + cfg.n_coda + cfg.n_body * loops  # attention launches of one step
+    assert seen == [False] * per_step + [True] * 3 * per_step  # keys 6, then 7, 8 and 9
+
+
 def test_fused_batched_multi_token_steps_match_generic() -> None:
     """Two rows at different lengths, steps of 2 tokens, loop count changing between steps."""
     cfg, _, fused, generic = build("pre-concat-zeros-gqa")

@@ -517,13 +517,16 @@ def rope_attention(
     n_kv_heads: int,
     head_dim: int,
     interleaved: bool,
+    *,
+    long_cache: bool = False,
 ) -> torch.Tensor:
     """One token per sequence: `rope_store` + `cached_attention` in one launch. qkv [B, (H + 2 KVH) hd],
     positions [B] -> [B, H * hd]; the new key and value are written into the cache at `positions`. The keys of
-    each (row, head) are split among `policy.rope_attention_tile`'s programs."""
+    each (row, head) are split among `policy.rope_attention_tile`'s programs (`long_cache`: some row attends to
+    `policy.long_cache_keys` keys or more)."""
     rows = qkv.shape[0]
     out = torch.empty((rows, n_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
-    splits, block, warps = policy.rope_attention_tile(rows, n_heads, head_dim)
+    splits, block, warps = policy.rope_attention_tile(rows, n_heads, head_dim, long_cache)
     part = count = out
     if splits > 1:
         part, count = _split_scratch(qkv.device, rows * n_heads, splits, head_dim)
@@ -576,8 +579,8 @@ class CudaKernels:
     def cached_attention(self, q: torch.Tensor, *args: Any) -> torch.Tensor:
         return cached_attention(self.policy, q, *args)
 
-    def rope_attention(self, qkv: torch.Tensor, *args: Any) -> torch.Tensor:
-        return rope_attention(self.policy, qkv, *args)
+    def rope_attention(self, qkv: torch.Tensor, *args: Any, long_cache: bool = False) -> torch.Tensor:
+        return rope_attention(self.policy, qkv, *args, long_cache=long_cache)
 
     def int4_rows(self, ids: torch.Tensor, w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
         return int4_rows(self.policy, ids, w, dtype)

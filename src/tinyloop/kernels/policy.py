@@ -142,10 +142,13 @@ class KernelPolicy:
     # run (at most `split_attention_max_splits` per head). H100, seed-407m's 16 heads of 128 (docs/BENCHMARKS.md):
     # one-warp programs of 32 keys at 1,024 programs took 30.7 / 19.4 / 6.5 us at 64 / 32 / 8 rows of 160 positions
     # against 60.7 / 31.1 / 8.8 for four splits of 64 keys at 4 warps, and 9.4 against 21.5 us at one row of 1,024.
-    # A single row keeps `one_row_attention_tile` (splits, keys, warps): 16 one-warp splits made seed-407m's
-    # 128 tokens after 128 1.7 % slower end to end (162.6 against 159.9 ms, H100), though far faster past ~500 keys.
+    # A single row keeps `one_row_attention_tile` (splits, keys, warps) below `long_cache_keys` cached keys: 16 one-warp
+    # splits made seed-407m's 128 tokens after 128 1.7 % slower end to end (162.6 against 159.9 ms, H100). From there
+    # on `one_row_long_attention_tile`: one row of 1,024 / 2,048 keys 6.6 / 10.4 us against 21.5 / 44.0 (H100).
     split_attention_tile: tuple[int, int] = (32, 1)
     one_row_attention_tile: tuple[int, int, int] = (4, 64, 4)
+    one_row_long_attention_tile: tuple[int, int, int] = (16, 128, 4)
+    long_cache_keys: int = 512
     split_attention_programs: int = 1024
     split_attention_max_splits: int = 16
     split_attention_min_head_dim: int = 128
@@ -280,17 +283,20 @@ class KernelPolicy:
     def attention_block(self, head_dim: int) -> tuple[int, int]:
         return self.attention_tile if head_dim >= 128 else self.narrow_head_attention_tile
 
-    def rope_attention_tile(self, rows: int, n_heads: int, head_dim: int) -> tuple[int, int, int]:
+    def rope_attention_tile(
+        self, rows: int, n_heads: int, head_dim: int, long_cache: bool = False
+    ) -> tuple[int, int, int]:
         """(splits, keys per block, warps) of the one-token attention over `rows` rows of `n_heads` heads: the
         power of two of splits that brings the programs nearest `split_attention_programs` from below (one
-        at least); one row `one_row_attention_tile`; heads narrower than `split_attention_min_head_dim` whole, in
+        at least); one row `one_row_attention_tile`, or `one_row_long_attention_tile` where the step attends to
+        `long_cache_keys` keys or more (`long_cache`); heads narrower than `split_attention_min_head_dim` whole, in
         one program each."""
         if (rows, n_heads, head_dim) in self.rope_attention_tiles:
             return self.rope_attention_tiles[(rows, n_heads, head_dim)]
         if head_dim < self.split_attention_min_head_dim:
             return (1, *self.attention_block(head_dim))
         if rows == 1:
-            return self.one_row_attention_tile
+            return self.one_row_long_attention_tile if long_cache else self.one_row_attention_tile
         wanted = min(self.split_attention_max_splits, self.split_attention_programs // max(1, rows * n_heads))
         return (1 << (max(1, wanted).bit_length() - 1), *self.split_attention_tile)
 

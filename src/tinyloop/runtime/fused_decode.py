@@ -183,6 +183,8 @@ class FusedDecoder:
         begin = start.to("cpu", torch.long)
         span = int((begin + T).max()) if bool((begin != 0).any()) else None
         positions = (begin[:, None] + torch.arange(T)[None, :]).reshape(-1)
+        # A single row's attention tile follows its cache's length: a graph on each side of long_cache_keys.
+        long_cache = B * T == 1 and int(positions[0]) + 1 >= self.kernels.policy.long_cache_keys
         dev = self.engine.device
         if l2_residency.SHARE_OFF_DURING_PREFILL and self._rows_on_cublas(B, T):
             self._drop_share()
@@ -192,14 +194,15 @@ class FusedDecoder:
             # Prefill-sized steps run eagerly: their launches are few against their work, and a continuous
             # batcher's prompt chunks come in ever new lengths, whose captures would evict the decode graphs.
             return self._forward(tokens.to(dev), positions.to(dev), cache, loops, last_only, resume, start_loop,
-                                 last_index=last_index, span=span)  # fmt: skip
-        key = (B, T, loops, int(last_only), start_loop, int(resume is not None), cache.k.data_ptr(), *cache.k.shape)
+                                 last_index=last_index, span=span, long_cache=long_cache)  # fmt: skip
+        key = (B, T, loops, int(last_only), start_loop, int(resume is not None), int(long_cache), cache.k.data_ptr(),
+               *cache.k.shape)  # fmt: skip
         entry = self._graphs.get(key)
         if entry is None:
             if T > 1 and key not in self._seen:  # a multi-token shape seen once is not worth a graph yet
                 self._seen.add(key)
                 return self._forward(tokens.to(dev), positions.to(dev), cache, loops, last_only, resume, start_loop)
-            entry = self._capture(tokens, positions, cache, loops, last_only, resume, start_loop)
+            entry = self._capture(tokens, positions, cache, loops, last_only, resume, start_loop, long_cache)
             self._graphs[key] = entry
             if len(self._graphs) > MAX_GRAPHS:
                 self.graph_bytes -= self._graphs.popitem(last=False)[1].nbytes
@@ -332,6 +335,7 @@ class FusedDecoder:
         last_only: bool,
         resume: tuple[torch.Tensor, torch.Tensor] | None,
         start_loop: int,
+        long_cache: bool,
     ) -> _Graph:
         dev = self.engine.device
         static_tokens = tokens.to(dev).clone()
@@ -341,7 +345,8 @@ class FusedDecoder:
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            self._forward(static_tokens, static_positions, cache, loops, last_only, static_resume, start_loop)
+            self._forward(static_tokens, static_positions, cache, loops, last_only, static_resume, start_loop,
+                          long_cache=long_cache)  # fmt: skip
         torch.cuda.current_stream(dev).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -414,11 +419,14 @@ class FusedDecoder:
         *,
         last_index: torch.Tensor | None = None,
         span: int | None = None,
+        long_cache: bool = False,
     ) -> ForwardOutput:
         """The model's forward over `_FusedOps` (under graph capture: recorded once, replayed as kernels).
         last_index ([B]): the token of each row the head reads (last_only; default the last); span: the
-        cache positions a prefill-sized step attends over when some row starts after position 0."""
-        ops = _FusedOps(self, cache, positions, tokens.shape[0], tokens.shape[1], last_only, last_index, span)
+        cache positions a prefill-sized step attends over when some row starts after position 0; long_cache: a
+        one-token step attends to the policy's long_cache_keys or more."""
+        ops = _FusedOps(self, cache, positions, tokens.shape[0], tokens.shape[1], last_only, last_index, span,
+                        long_cache)  # fmt: skip
         return run(ops, self.engine.weights, self.cfg, tokens, loops, resume=resume, start_loop=start_loop)
 
     def _gate_logit(self, s: torch.Tensor) -> torch.Tensor:
@@ -437,8 +445,9 @@ class _FusedOps:
     launch for one-token steps, residuals added in the products' epilogues)."""
 
     def __init__(self, dec: FusedDecoder, cache: KVCache, positions: torch.Tensor, B: int, T: int,
-                 last_only: bool, last_index: torch.Tensor | None = None, span: int | None = None) -> None:  # fmt: skip
-        self.dec, self.k, self.cache, self.positions = dec, dec.kernels, cache, positions
+                 last_only: bool, last_index: torch.Tensor | None = None, span: int | None = None,
+                 long_cache: bool = False) -> None:  # fmt: skip
+        self.dec, self.k, self.cache, self.positions, self.long_cache = dec, dec.kernels, cache, positions, long_cache
         self.cfg, self.eng = dec.cfg, dec.engine
         self.B, self.T, self.last_only, self.last_index = B, T, last_only, last_index
         self.substitutes = dec.step_weights(B, T)
@@ -463,7 +472,7 @@ class _FusedOps:
         interleaved = cfg.rope_pairing == "interleaved"
         if T == 1 and ROPE_ATTENTION_ONE_KERNEL:
             return k.rope_attention(qkv, k_cache, v_cache, self.positions, eng.cos, eng.sin, cfg.n_heads,
-                                    cfg.n_kv_heads, cfg.head_dim, interleaved)  # fmt: skip
+                                    cfg.n_kv_heads, cfg.head_dim, interleaved, long_cache=self.long_cache)  # fmt: skip
         q = k.rope_store(qkv, k_cache, v_cache, self.positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads,
                          cfg.head_dim, T, interleaved)  # fmt: skip
         if T <= FUSED_ATTENTION_MAX_TOKENS:
