@@ -341,12 +341,16 @@ class FusedDecoder:
         static_tokens = tokens.to(dev).clone()
         static_positions = positions.to(dev).clone()
         static_resume = None if resume is None else (resume[0].clone(), resume[1].clone())
+
+        def forward() -> ForwardOutput:  # the warm-up and the capture run the very same step
+            return self._forward(static_tokens, static_positions, cache, loops, last_only, static_resume, start_loop,
+                                 long_cache=long_cache)  # fmt: skip
+
         # Warm-up on a side stream (compiles the kernels); it writes the same K/V the replay will.
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
-            self._forward(static_tokens, static_positions, cache, loops, last_only, static_resume, start_loop,
-                          long_cache=long_cache)  # fmt: skip
+            forward()
         torch.cuda.current_stream(dev).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -359,9 +363,7 @@ class FusedDecoder:
                 window = None
                 info(f"L2 residency: the decode graph's capture stream takes no window ({no_window}); not applied")
             with _cyclic_gc_paused(), torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                output = self._forward(
-                    static_tokens, static_positions, cache, loops, last_only, static_resume, start_loop
-                )
+                output = forward()
         nbytes = torch.cuda.memory_allocated(dev) - before
         self.graph_bytes += nbytes
         detail(f"captured a CUDA graph: batch {tokens.shape[0]}, tokens {tokens.shape[1]}, loops {loops}")
