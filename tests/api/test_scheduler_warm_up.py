@@ -60,7 +60,7 @@ def test_warm_up_steps_every_batch_size_and_leaves_no_trace(models, monkeypatch,
     report = s.warm_up()
     loops = m.header.config.default_loops
     assert (report.buckets, report.loops, report.requests) == (BUCKETS[max_batch], 4, sum(BUCKETS[max_batch]) + 2)
-    assert 0 < report.seconds < 60
+    assert report.seconds > 0
     # Each batch size had a step with every one of its rows live, all at the default loops.
     assert fully_live(steps) == set(BUCKETS[max_batch])
     assert {at for _, _, at in steps} == {loops}
