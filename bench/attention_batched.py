@@ -88,7 +88,11 @@ def with_tile(base: KernelPolicy, rows: int, n_heads: int, head_dim: int, tile: 
     return dataclasses.replace(base, split_attention=tile)  # type: ignore[call-arg]
 
 
-def policy_tile(base: Any, rows: int, n_heads: int, head_dim: int) -> tuple[int, int, int]:
+def policy_tile(base: Any, rows: int, n_heads: int, head_dim: int, keys: int) -> tuple[int, int, int]:
+    """The policy's tile for a step over `keys` cached keys and the new one."""
+    if hasattr(base, "long_cache_keys"):
+        long_cache = keys + 1 >= base.long_cache_keys
+        return tuple(base.rope_attention_tile(rows, n_heads, head_dim, long_cache))  # type: ignore[return-value]
     if hasattr(base, "rope_attention_tile"):
         return tuple(base.rope_attention_tile(rows, n_heads, head_dim))  # type: ignore[return-value]
     if base.split_attention is not None and head_dim >= base.split_attention_min_head_dim:
@@ -118,7 +122,7 @@ def measure(rows: int, positions: int, shape: Shape, variants: list[tuple[int, i
     pos = torch.full((rows,), positions, dtype=torch.long, device=device)
     cos, sin = rope_tables(preset(args.preset), seq, device)
     ref = reference(qkv, k[0], v[0], pos, cos, sin, shape)
-    chosen = policy_tile(base, rows, H, hd)
+    chosen = policy_tile(base, rows, H, hd, positions)
     out: dict[str, Any] = {
         "rows": rows, "positions": positions, "kv_MB": nbytes / 1e6, "copies": copies, "calls_per_graph": calls,
         "streamed_MB": copies * nbytes / 1e6, "policy": list(chosen), "variants": [],
