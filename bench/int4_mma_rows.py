@@ -25,7 +25,7 @@ from tinyloop.kernels import cuda_ops
 from tinyloop.kernels.cuda_backend import kernel_policy
 from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, CudaTinygemmWeight, quantize_int4
 
-SPLIT_PROGRAMS = (264, 528, 1056)
+SPLIT_PROGRAMS = (132, 264, 528, 1056)  # 132: one program an SM, gate / up at 32-64 rows without a K split
 
 
 def tile_candidates(rows: int, wgmma: bool = False) -> list[tuple[int, int, int, int]]:
