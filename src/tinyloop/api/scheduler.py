@@ -16,9 +16,10 @@ from tinyloop.cache.pool import PrefixPool
 from tinyloop.grammar.vocab import TokenVocab
 from tinyloop.runtime.adaptive_exit import ExitCriterion
 from tinyloop.runtime.decode import Row
+from tinyloop.runtime.prefix_hooks import PrefixHooks
 from tinyloop.runtime.requests import Request, RequestHandle, RequestStats
 from tinyloop.runtime.sampling import TokenPicker
-from tinyloop.runtime.scheduler import PrefixHooks, SchedulerLimits, SlotScheduler
+from tinyloop.runtime.scheduler import SchedulerLimits, SlotScheduler
 from tinyloop.runtime.stop_strings import StopStringFilter
 from tinyloop.runtime.warm_up import WarmUpReport, decode_buckets, warm_up
 from tinyloop.sampling import SamplingParams

@@ -25,38 +25,16 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-import numpy as np
 import torch
 
-from tinyloop.cache.base import ModeCache, copy_out
-from tinyloop.cache.pool import PrefixPool, content_key
+from tinyloop.cache.base import ModeCache
 from tinyloop.errors import QueueFullError
 from tinyloop.runtime.decode import Row, begin, decode_step, pick_token, prepared_picks
 from tinyloop.runtime.engine import Engine
+from tinyloop.runtime.prefix_hooks import PoolEntry, PrefixHooks
 from tinyloop.runtime.requests import Request, RequestHandle
-
-
-class PoolEntry(Protocol):
-    """What the scheduler reads from a prefix-pool entry (a tinyloop.PrefixCache)."""
-
-    tokens: np.ndarray
-
-    def kv(self) -> dict[str, torch.Tensor] | None: ...
-
-    def last_logits(self) -> torch.Tensor: ...
-
-
-@dataclass(frozen=True)
-class PrefixHooks:
-    """The prefix pool and what the scheduler needs to use it for one model: its cache identity, whether
-    a snapshot serves a truncated prefix in this KV mode, and how to wrap a snapshot as a pool entry."""
-
-    pool: PrefixPool
-    model_key: str
-    usable: Callable[[int, int], bool]
-    make_entry: Callable[[np.ndarray, int, dict[str, torch.Tensor], torch.Tensor], Any]
 
 
 def step_rows(last_live: int, max_batch: int) -> int:
@@ -398,8 +376,7 @@ class SlotScheduler:
         if hooks is None or staging is None:
             return None
         row = req.row
-        ids = row.prompt.numpy()
-        match = hooks.pool.lookup(ids, row.loops, hooks.model_key, hooks.usable)
+        match = hooks.longest_prefix(row)
         if match is None:
             return None
         entry: PoolEntry = match.item
@@ -440,7 +417,8 @@ class SlotScheduler:
                 except Exception as exc:
                     self._fail(req, exc)
                     continue
-                self._offer_to_pool(req, kv, logits[i])
+                if self.prefix is not None:
+                    self.prefix.offer(req.row, kv, logits[i])
             finished.append((req, logits[i]))
         self._first_tokens(finished)
         self._carry_to_first_stage_row()
@@ -515,18 +493,6 @@ class SlotScheduler:
         if self.slots is not None:
             self.slots.restore(kv, length, req.row.loops, length, row=req.slot)
         req.prefilled = length
-
-    def _offer_to_pool(self, req: Request, kv: dict[str, torch.Tensor], logits: torch.Tensor) -> None:
-        hooks = self.prefix
-        if hooks is None:
-            return
-        row = req.row
-        ids = row.prompt.numpy().astype(np.int32)
-        if content_key(hooks.model_key, row.loops, ids) in hooks.pool:
-            return
-        entry = hooks.make_entry(ids, row.loops, kv, copy_out(logits, "prefix logits"))
-        if entry.nbytes <= hooks.pool.max_bytes:
-            hooks.pool.register(entry)
 
     def _decoding(self) -> list[Row | None]:
         """Each slot's row while it decodes (None: empty, reserved for a prefill, or aborted)."""
