@@ -90,8 +90,8 @@ def with_tile(base: KernelPolicy, rows: int, n_heads: int, head_dim: int, tile: 
 
 def policy_tile(base: Any, rows: int, n_heads: int, head_dim: int, keys: int) -> tuple[int, int, int]:
     """The policy's tile for a step over `keys` cached keys and the new one."""
-    if hasattr(base, "long_cache_keys"):
-        long_cache = keys + 1 >= base.long_cache_keys
+    if hasattr(base, "attends_long_cache"):
+        long_cache = base.attends_long_cache(rows, keys + 1)
         return tuple(base.rope_attention_tile(rows, n_heads, head_dim, long_cache))  # type: ignore[return-value]
     if hasattr(base, "rope_attention_tile"):
         return tuple(base.rope_attention_tile(rows, n_heads, head_dim))  # type: ignore[return-value]

@@ -116,6 +116,9 @@ def test_one_token_attention_splits_keys_until_about_a_thousand_programs_run() -
     assert policy.rope_attention_tile(8, 6, 64) == (1, *policy.narrow_head_attention_tile)  # narrow heads whole
     assert policy.rope_attention_tile(1, 16, 128, long_cache=True) == policy.one_row_long_attention_tile == (16, 128, 4)
     assert policy.rope_attention_tile(8, 16, 128, long_cache=True) == splits[8]  # batched steps: by rows alone
+    assert [policy.attends_long_cache(rows, keys) for rows, keys in ((1, 511), (1, 512), (2, 4096))] == [
+        False, True, False
+    ]  # fmt: skip
     tuned = KernelPolicy(rope_attention_tiles={(8, 16, 128): (2, 64, 4)})
     assert tuned.rope_attention_tile(8, 16, 128) == (2, 64, 4) and tuned.rope_attention_tile(4, 16, 128)[0] == 16
 

@@ -119,10 +119,9 @@ class KernelPolicy:
     # `mma_int4_wgmma_min_rows` rows, with K split until about `mma_int4_wgmma_programs` programs run. Its x tiles of
     # up to `mma_int4_wgmma_loads_ahead_max_rows` rows load K tiles `mma_int4_wgmma_loads_ahead` ahead of the one
     # multiplied under a register cap of `mma_int4_wgmma_max_registers` (two 8-warp programs per SM; offline
-    # sm_90a: no spills). H100, seed-407m
+    # sm_90a: no spills; at 32-64 rows loading ahead was slower under every cap). H100, seed-407m
     # (docs/BENCHMARKS.md): its four layer products take 31.3-31.9 µs at 2-8 rows against 38.3 on the 2-row Gluon
-    # GEMV and 41.0 on tinygemm at 4 rows; steps of 2 / 4 / 8 rows 1.431 / 1.459 / 1.568 ms against a 1.258 ms
-    # one-row step. 64 rows stay on the copies (each product 1.1-1.8x cuBLAS's there).
+    # GEMV and 41.0 on tinygemm at 4 rows. 64 rows stay on the copies (each product 1.1-1.8x cuBLAS's there).
     mma_int4_wgmma: bool = False
     mma_int4_wgmma_min_rows: int = 2
     mma_int4_wgmma_programs: int = 264
@@ -282,6 +281,11 @@ class KernelPolicy:
 
     def attention_block(self, head_dim: int) -> tuple[int, int]:
         return self.attention_tile if head_dim >= 128 else self.narrow_head_attention_tile
+
+    def attends_long_cache(self, rows: int, keys: int) -> bool:
+        """Whether a one-token step of `rows` rows, the longest attending to `keys` keys, takes the long-cache
+        tile in `rope_attention_tile` (only a single row's tile follows the cache's length)."""
+        return rows == 1 and keys >= self.long_cache_keys
 
     def rope_attention_tile(
         self, rows: int, n_heads: int, head_dim: int, long_cache: bool = False

@@ -183,8 +183,8 @@ class FusedDecoder:
         begin = start.to("cpu", torch.long)
         span = int((begin + T).max()) if bool((begin != 0).any()) else None
         positions = (begin[:, None] + torch.arange(T)[None, :]).reshape(-1)
-        # A single row's attention tile follows its cache's length: a graph on each side of long_cache_keys.
-        long_cache = B * T == 1 and int(positions[0]) + 1 >= self.kernels.policy.long_cache_keys
+        # Where the attention tile follows the cache's length, a graph on each side of the policy's threshold.
+        long_cache = T == 1 and self.kernels.policy.attends_long_cache(B, int(positions.max()) + 1)
         dev = self.engine.device
         if l2_residency.SHARE_OFF_DURING_PREFILL and self._rows_on_cublas(B, T):
             self._drop_share()
