@@ -82,13 +82,13 @@ def leading_equal(a: np.ndarray, b: np.ndarray) -> int:
 
 def batched_vs_alone(path: str, loops: int, vocab: int) -> dict[str, list[int]]:
     rng = np.random.default_rng(1)
-    # 8 and 16 rows: the tensor-core INT4 kernel's range on Hopper in bfloat16.
-    prompts = [rng.integers(1, vocab, n).astype(np.int32) for n in (20, 57, 128, 90, *rng.integers(16, 160, 12))]
+    # 2-64 rows: the tensor-core INT4 kernel's range on Hopper in bfloat16.
+    prompts = [rng.integers(1, vocab, n).astype(np.int32) for n in (20, 57, 128, 90, *rng.integers(16, 160, 60))]
     result = {}
     for dtype in (torch.float32, torch.bfloat16):
         model = tinyloop.Model(path, max_seq_len=512, device="cuda", dtype=dtype)
         alone = [model.generate(p, 32, loops=loops, temperature=0.0) for p in prompts]
-        for rows in (2, 4, 8, 16):
+        for rows in (2, 4, 8, 16, 32, 64):
             batch = model.generate_batch(prompts[:rows], max_tokens=32, loops=loops, temperature=0.0)
             name = str(dtype).removeprefix("torch.")
             result[f"{name}_B{rows}"] = [leading_equal(a, b) for a, b in zip(alone, batch, strict=False)]

@@ -6,7 +6,7 @@ bfloat16 activations, relative error against float32 of the dequantized INT4 wei
 a few tiles (`KernelPolicy.mma_int4_tiles`) and split counts (`mma_int4_programs`). Device only.
 
     PYTHONPATH=src python bench/int4_mma_rows.py --out F.json [--rows 3 4 8 16 32 64] [--budget-s 240] \\
-        [--policy mma_int4_wgmma_loads_ahead=1] [--no-baselines]
+        [--policy mma_int4_wgmma_loads_ahead=1] [--no-baselines] [--programs 132 264]
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop the tile sweep after this long")
     ap.add_argument("--policy", nargs="*", default=[], help="KernelPolicy fields to replace, as FIELD=VALUE")
     ap.add_argument("--no-baselines", action="store_true", help="time the tensor-core kernel only")
+    ap.add_argument("--programs", type=int, nargs="+", default=list(SPLIT_PROGRAMS), help="split K until about")
     args = ap.parse_args()
     t_start = time.perf_counter()
     policy = dataclasses.replace(kernel_policy(RuntimeEnv.read()), mma_int4=True, **parse_overrides(args.policy, None))
@@ -90,15 +91,18 @@ def main() -> None:
             wgmma = policy.mma_int4_wgmma
             if wgmma:
                 measure("mma_sync", fused(dataclasses.replace(policy, mma_int4_wgmma=False), mma))
-            for tile in tile_candidates(m, wgmma):
-                for programs in SPLIT_PROGRAMS:
-                    if time.perf_counter() > deadline:
-                        row["budget_exhausted"] = True
-                        break
-                    pol = dataclasses.replace(policy, mma_int4_tiles={(n, k, m): tile}, mma_int4_programs=programs,
-                                              mma_int4_wgmma_programs=programs)  # fmt: skip
-                    key = ",".join(map(str, (*tile, programs)))
-                    measure(key, fused(pol, mma), row=row["tiles"])
+            for tile, programs in [
+                (tile, programs) for tile in tile_candidates(m, wgmma) for programs in args.programs
+            ]:
+                if time.perf_counter() > deadline:
+                    row["budget_exhausted"] = True
+                    break
+                # split K until `programs` run, however many splits that makes
+                pol = dataclasses.replace(policy, mma_int4_tiles={(n, k, m): tile}, mma_int4_programs=programs,
+                                          mma_int4_wgmma_programs=programs,
+                                          mma_int4_wgmma_split_rows=1 << 20)  # fmt: skip
+                key = ",".join(map(str, (*tile, programs)))
+                measure(key, fused(pol, mma), row=row["tiles"])
             keep_best(row, 0.02, result["best"], f"{n},{k},{m}")
             entry[m] = row
             print_row(name, m, row)

@@ -29,7 +29,7 @@ SHAPES = {"qkv": (6144, 2048, 0, True, False), "o": (2048, 2048, 0, False, True)
 ISSUE_BUDGET = 4 * 132 * 1.98e9 / 3.35e12  # warp instructions per byte at full bandwidth (H100 SXM)
 
 
-def compile_product(mma: Any, policy: Any, name: str, rows: int) -> dict[str, Any]:
+def compile_product(mma: Any, policy: Any, name: str, rows: int, wgmma: bool = False) -> dict[str, Any]:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -38,11 +38,11 @@ def compile_product(mma: Any, policy: Any, name: str, rows: int) -> dict[str, An
     warps, row_tiles, block_k, rows_x = policy.mma_int4_tile(n, k, rows)
     block_n = 16 * warps * row_tiles
     kernel = mma._int4_mma_kernel
-    layouts = mma.layouts(warps, row_tiles, block_k, rows_x)
+    layouts = mma.layouts(warps, row_tiles, block_k, rows_x, wgmma)
+    ahead = 2 if wgmma and rows_x <= policy.mma_int4_wgmma_loads_ahead_max_rows else 1
     constants: dict[str, Any] = dict(GROUP=GROUP, NORM=norm, BIAS=False, ACT=act, RESIDUAL=residual, BN=block_n,
-                                     BK=block_k, MP=rows_x, PDL=2, **layouts)  # fmt: skip
-    if "STAGES" in kernel.arg_names:
-        constants["STAGES"] = policy.mma_int4_stages
+                                     BK=block_k, MP=rows_x, AHEAD=ahead, PDL=2,
+                                     **layouts)  # fmt: skip
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "sm_ptr": "*i32", "nw_ptr": "*bf16", "part_ptr": "*fp32",
                 "squares_ptr": "*fp32", "arrivals_ptr": "*i32", "out_ptr": "*bf16", "res_ptr": "*bf16",
                 "b_ptr": "*bf16"}  # fmt: skip
@@ -59,11 +59,14 @@ def compile_product(mma: Any, policy: Any, name: str, rows: int) -> dict[str, An
             signature[arg] = "fp32" if arg == "eps" else "i32"
             if arg in divisible:
                 attrs[(index,)] = [["tt.divisibility", 16]]
+    options: dict[str, Any] = {"num_warps": warps}
+    if ahead == 2:
+        options["maxnreg"] = policy.mma_int4_wgmma_max_registers
     compiled = triton.compile(GluonASTSource(kernel, signature, constants, attrs), target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": warps})  # fmt: skip
+                              options=options)  # fmt: skip
     usage, sass = resources_and_sass(compiled)
     registers, local = usage["registers"], usage["local_bytes"]
-    k_step = max(_loops(sass), key=lambda loop: loop["instructions"])  # the K loop; the finishing loop is short
+    k_step = next(loop for loop in _loops(sass) if loop["tensor_core"])  # the K loop (the finish's has no MMA)
     tile_bytes, steps = block_n * block_k // 2, k_step["instructions"]
     return {"product": name, "rows": rows, "tile": [warps, row_tiles, block_k, rows_x], "registers": registers,
             "local_bytes": local, "shared_bytes": compiled.metadata.shared, "k_step_instructions": steps,
@@ -75,6 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32])
     ap.add_argument("--json", action="store_true", help="one JSON object per product and row count")
+    ap.add_argument("--wgmma", action="store_true", help="the warpgroup version (else mma.sync)")
     args = ap.parse_args()
     try:
         import triton
@@ -82,12 +86,12 @@ def main() -> None:
     except ImportError:
         sys.exit("int4_mma_sass.py: needs Triton with Gluon (and its bundled ptxas / cuobjdump) in this Python")
     mma = kernel_module("tinyloop.kernels.gluon_int4_mma")
-    policy = kernel_module("tinyloop.kernels.policy").KernelPolicy(mma_int4=True)
+    policy = kernel_module("tinyloop.kernels.policy").KernelPolicy(mma_int4=True, mma_int4_wgmma=args.wgmma)
     if not args.json:
         print(f"Triton {triton.__version__}; full bandwidth allows ~{ISSUE_BUDGET:.2f} warp instructions per byte")
     for rows in args.rows:
         for name in SHAPES:
-            res = compile_product(mma, policy, name, rows)
+            res = compile_product(mma, policy, name, rows, args.wgmma)
             if args.json:
                 print(json.dumps(res))
                 continue

@@ -154,6 +154,7 @@ def _loops(sass: str) -> list[dict[str, Any]]:
             ops = Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in body)
             loops.append({"instructions": len(body), "barriers": sum(v for k, v in ops.items() if k.startswith("BAR")),
                           "global_loads": sum(v for k, v in ops.items() if k.startswith("LDG")),
+                          "tensor_core": sum(v for k, v in ops.items() if k.startswith(("HMMA", "HGMMA"))),
                           "top": dict(ops.most_common(8))})  # fmt: skip
     return loops
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tinyloop.kernels import gluon_int4_mma
-from tinyloop.kernels.cuda_ops import mma_int4_applies
+from tinyloop.kernels.cuda_ops import _k_splits, mma_int4_applies
 from tinyloop.kernels.policy import KernelPolicy
 from tinyloop.quant import MMA_MAX_X_TILES, BlockedInt4Weight, CudaMmaInt4Weight, quantize_int4
 
@@ -108,7 +108,7 @@ def test_copy_refuses_what_the_kernel_cannot_decode() -> None:
 def test_default_tiles_cover_the_row_counts_and_divide_the_model_shapes(rows: int, wgmma: bool) -> None:
     policy = KernelPolicy(mma_int4=True, mma_int4_wgmma=wgmma)
     warps, row_tiles, block_k, rows_x = policy.mma_int4_tile(2048, 2048, rows)
-    assert rows <= rows_x <= 64 and rows_x >= 16 and block_k in (64, 128, 256)
+    assert 16 <= rows_x <= 64 and (rows <= rows_x or wgmma and rows_x == 32) and block_k in (64, 128, 256)
     for n, k in ((6144, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (32000, 2048), (49152, 2048)):
         assert mma_int4_applies(policy, _shaped(n, k), rows), (n, k)
     assert not mma_int4_applies(policy, _shaped(40, 128), rows)
@@ -127,6 +127,8 @@ def _shaped(n: int, k: int, group: int = 64) -> CudaMmaInt4Weight:
 def test_the_warpgroup_version_takes_its_rows_from_2_and_the_mma_sync_version_from_8() -> None:
     wgmma, mma_sync = KernelPolicy(mma_int4=True, mma_int4_wgmma=True), KernelPolicy(mma_int4=True)
     assert [wgmma.mma_int4_takes_rows(rows) for rows in (1, 2, 32, 33)] == [False, True, True, False]
+    wider = KernelPolicy(mma_int4=True, mma_int4_wgmma=True, mma_int4_wgmma_max_rows=64)
+    assert [wider.mma_int4_takes_rows(rows) for rows in (32, 64, 65)] == [True, True, False]
     assert [mma_sync.mma_int4_takes_rows(rows) for rows in (7, 8, 32, 33)] == [False, True, True, False]
     assert not KernelPolicy(mma_int4_wgmma=True).mma_int4_takes_rows(8)  # the kernel itself switched off
     # whole warpgroups (4 or 8 warps) and x tiles wgmma's N can take
@@ -134,3 +136,18 @@ def test_the_warpgroup_version_takes_its_rows_from_2_and_the_mma_sync_version_fr
         for rows in (2, 5, 8, 16, 32, 64):
             warps, _, _, rows_x = wgmma.mma_int4_tile(*shape, rows)
             assert warps % 4 == 0 and rows_x in (16, 32, 64)
+
+
+def test_warpgroup_tiles_take_64_x_rows_at_once_only_for_tall_matrices() -> None:
+    policy = KernelPolicy(mma_int4=True, mma_int4_wgmma=True)
+    assert policy.mma_int4_tile(11264, 2048, 64)[3] == 64  # gate / up: 5.5 times as tall as wide
+    assert [policy.mma_int4_tile(n, k, 64)[3] for n, k in ((6144, 2048), (2048, 2048), (2048, 5632))] == [32] * 3
+    assert policy.mma_int4_tile(6144, 2048, 32)[:2] == (4, 2) and policy.mma_int4_tile(2048, 5632, 32)[:2] == (8, 1)
+
+
+def test_k_splits_fill_the_programs_under_the_cap_and_leave_no_split_empty() -> None:
+    assert _k_splits(264, 16, 16) == (16, 1)
+    assert _k_splits(264, 16, 16, max_splits=4) == (4, 4)
+    assert _k_splits(264, 44, 16, max_splits=8) == (8, 6)  # 7 full splits of 6 K tiles and one of 2
+    assert _k_splits(264, 16, 88) == (3, 6)
+    assert _k_splits(132, 16, 176, max_splits=8) == (1, 16)

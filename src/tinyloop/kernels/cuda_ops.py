@@ -261,10 +261,10 @@ def _splitk_linear(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, 
     return _sum_splits(policy, x, part, ep)
 
 
-def _k_splits(programs: int, k_tiles: int, programs_per_split: int) -> tuple[int, int]:
-    """(splits, K tiles per split) of a split-K product: K is split until about `programs` programs run, and no
-    split is empty."""
-    wanted = min(k_tiles, max(1, programs // programs_per_split))
+def _k_splits(programs: int, k_tiles: int, programs_per_split: int, max_splits: int | None = None) -> tuple[int, int]:
+    """(splits, K tiles per split) of a split-K product: K is split until about `programs` programs run (into at
+    most `max_splits`), and no split is empty."""
+    wanted = min(k_tiles, max_splits or k_tiles, max(1, programs // programs_per_split))
     tiles_per_split = triton.cdiv(k_tiles, wanted)
     return triton.cdiv(k_tiles, tiles_per_split), tiles_per_split
 
@@ -309,7 +309,8 @@ def _mma_int4_linear(policy: KernelPolicy, x: torch.Tensor, w: CudaMmaInt4Weight
         raise ValueError(f"{m_tiles} tiles of {rows_x} x rows exceed the copy's counters ({w.arrivals.numel()})")
     wgmma = policy.mma_int4_wgmma
     programs = policy.mma_int4_wgmma_programs if wgmma else policy.mma_int4_programs
-    splits, tiles_per_split = _k_splits(programs, K // block_k, n_tiles * m_tiles)
+    max_splits = max(1, policy.mma_int4_wgmma_split_rows // (rows_x * m_tiles)) if wgmma else None
+    splits, tiles_per_split = _k_splits(programs, K // block_k, n_tiles * m_tiles, max_splits)
     part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
     squares = torch.empty((splits, M), dtype=torch.float32, device=x.device) if flags["NORM"] else part
     # The mma.sync version has no registers to spare for a deeper prefetch.

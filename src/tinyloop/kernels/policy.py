@@ -116,15 +116,22 @@ class KernelPolicy:
     mma_int4_programs: int = 528
     # Where `mma_int4_wgmma` is on (sm_90: wgmma is Hopper's alone) every product takes the warpgroup version (x
     # staged once per program in shared memory, where wgmma reads it for every warp), from
-    # `mma_int4_wgmma_min_rows` rows, with K split until about `mma_int4_wgmma_programs` programs run. Its x tiles of
-    # up to `mma_int4_wgmma_loads_ahead_max_rows` rows load K tiles `mma_int4_wgmma_loads_ahead` ahead of the one
-    # multiplied under a register cap of `mma_int4_wgmma_max_registers` (two 8-warp programs per SM; offline
-    # sm_90a: no spills; at 32-64 rows loading ahead was slower under every cap). H100, seed-407m
-    # (docs/BENCHMARKS.md): its four layer products take 31.3-31.9 µs at 2-8 rows against 38.3 on the 2-row Gluon
-    # GEMV and 41.0 on tinygemm at 4 rows. 64 rows stay on the copies (each product 1.1-1.8x cuBLAS's there).
+    # `mma_int4_wgmma_min_rows` to `mma_int4_wgmma_max_rows` rows, with K split until about
+    # `mma_int4_wgmma_programs` programs run. Its x tiles of up to `mma_int4_wgmma_loads_ahead_max_rows` rows load
+    # K tiles `mma_int4_wgmma_loads_ahead` ahead of the one multiplied under a register cap of
+    # `mma_int4_wgmma_max_registers` (two 8-warp programs per SM; offline sm_90a: no spills; at 32-64 rows loading
+    # ahead was slower under every cap). H100, seed-407m (docs/BENCHMARKS.md): its four layer products take
+    # 31.3-31.9 µs at 2-8 rows against 38.3 on the 2-row Gluon GEMV and 41.0 on tinygemm at 4 rows. 64 rows stay on
+    # the 16-bit copies: alone, the products took 55.4 µs a layer against 59.7 on cuBLAS, but a B=64 step 3.70 ms
+    # against 3.52.
     mma_int4_wgmma: bool = False
     mma_int4_wgmma_min_rows: int = 2
+    mma_int4_wgmma_max_rows: int = 32
     mma_int4_wgmma_programs: int = 264
+    # ... but into at most `mma_int4_wgmma_split_rows` / (x rows) splits: each split writes and the tile's last
+    # program reads its float32 partials (4 bytes a row a feature), as many bytes as the weights' own at 64 rows and
+    # 4 splits of a 2,048-column matrix (H100, seed-407m's o at 64 rows: 4 splits 6.8 µs, 8 splits 10.9).
+    mma_int4_wgmma_split_rows: int = 256
     mma_int4_wgmma_loads_ahead: int = 2
     mma_int4_wgmma_loads_ahead_max_rows: int = 16
     mma_int4_wgmma_max_registers: int = 128
@@ -232,16 +239,18 @@ class KernelPolicy:
     def mma_int4_tile(self, n: int, k: int, rows: int) -> tuple[int, int, int, int]:
         """(warps, row tiles of 16 weight rows per warp, BLOCK_K, x rows per program) of the tensor-core INT4
         kernel: the winners of bench/int4_mma_rows.py on an H100 (seed-407m's products, 2-64 rows). Warpgroup
-        version: 8 warps of one row tile for x tiles of 16 rows, 4 warps of two for 32 (and 64 with N > K). mma.sync
-        (528 programs): two row tiles a warp for tall matrices (gate / up) from 8 rows and long rows (down) from 16,
-        256 columns a step for long rows below 8; 64 x rows only with 64 columns a step (more spill, sm_90a)."""
+        version: 8 warps of one row tile (128 weight rows), for 32 x rows 4 warps of two where N > K (qkv,
+        gate / up); 64 x rows in one tile only for matrices at least 4 times as tall as wide (gate / up), in two of
+        32 else. mma.sync (528 programs): two row tiles a warp for tall matrices (gate / up) from 8 rows and long
+        rows (down) from 16, 256 columns a step for long rows below 8; 64 x rows only with 64 columns a step (more
+        spill, sm_90a)."""
         if (n, k, rows) in self.mma_int4_tiles:
             return self.mma_int4_tiles[(n, k, rows)]
         rows_x = max(16, 1 << (rows - 1).bit_length())
         if self.mma_int4_wgmma:
-            if rows_x == 16:
-                return (8, 1, 128, 16)
-            return (4, 2, 128, rows_x) if rows_x == 32 or n > k else (8, 1, 64, rows_x)
+            if rows_x == 32 and n > k:
+                return (4, 2, 128, 32)
+            return (8, 1, 128, 64 if rows_x == 64 and n >= 4 * k else min(rows_x, 32))
         row_tiles = 2 if (n >= 8192 and rows >= 8) or (k >= 4096 and rows >= 16) else 1
         if rows_x == 64:
             return (4, row_tiles, 64, 64)
@@ -251,8 +260,11 @@ class KernelPolicy:
 
     def mma_int4_takes_rows(self, rows: int) -> bool:
         """Whether a product of `rows` rows of x runs the tensor-core INT4 kernel (where a step takes it at all)."""
-        lowest = self.mma_int4_wgmma_min_rows if self.mma_int4_wgmma else self.mma_int4_min_rows
-        return self.mma_int4 and max(2, lowest) <= rows <= self.mma_int4_max_rows
+        if self.mma_int4_wgmma:
+            lowest, highest = self.mma_int4_wgmma_min_rows, self.mma_int4_wgmma_max_rows
+        else:
+            lowest, highest = self.mma_int4_min_rows, self.mma_int4_max_rows
+        return self.mma_int4 and max(2, lowest) <= rows <= highest
 
     def gluon_tile(self, n: int, k: int, act: int, rows: int = 1) -> tuple[int, int, int, int, int]:
         """(weight rows per thread, lanes along rows, blocks per thread, warps along rows, warps along blocks)
