@@ -34,7 +34,9 @@ def tile_candidates(rows: int, wgmma: bool = False) -> list[tuple[int, int, int,
     rows_x = max(16, 1 << (rows - 1).bit_length())
     if wgmma:
         halves = [(4, 2, 128, 32), (8, 1, 128, 32)] if rows_x == 64 else []  # two x tiles of 32 rows
-        return [(8, 1, 128, rows_x), (8, 1, 64, rows_x), (8, 2, 128, rows_x), (4, 2, 128, rows_x), *halves]
+        # one warpgroup of one row tile: the fewest registers, so the most programs an SM holds
+        small = [(4, 1, 128, rows_x)] if rows_x <= 32 else []
+        return [(8, 1, 128, rows_x), (8, 1, 64, rows_x), (8, 2, 128, rows_x), (4, 2, 128, rows_x), *halves, *small]
     if rows_x == 64:
         return [(4, 1, 64, 64), (4, 2, 64, 64), (2, 1, 64, 64)]
     if rows_x == 32:
