@@ -44,7 +44,7 @@ def test_requests_joining_at_different_steps_equal_each_alone(models, mode: str)
     for together in (False, True):  # prompts prefilled one by one (the CPU's way) or batched (the GPU's)
         # 3 slots for 7 requests, prompts longer than a prefill chunk: rows join while others decode.
         s = tinyloop.Scheduler(m, max_batch=3, max_loops=4, prefill_chunk_tokens=8)
-        s.prefill_together = together
+        s.prefill.together = together
         handles = []
         for i, (prompt, kw) in enumerate(REQUESTS):
             handles.append(s.submit(prompt, **kw))
@@ -68,7 +68,7 @@ def test_prompts_prefilled_together_equal_each_alone(models, mode: str) -> None:
     kws = [dict(max_tokens=4, loops=(2, 4, 3, 4, 1)[i], temperature=0.0) for i in range(len(prompts))]
     # Step 1: 9 + 11 of 14 tokens (cut, moves to staging row 0); step 2: its last 3, then 3 and 14 of 21.
     s = tinyloop.Scheduler(m, max_batch=5, max_loops=4, prefill_chunk_tokens=20, prefill_rows=3)
-    s.prefill_together = True  # as on a GPU: one forward per round
+    s.prefill.together = True  # as on a GPU: one forward per round
     handles = [s.submit(p, **kw) for p, kw in zip(prompts, kws, strict=True)]
     s.stop(drain=True)
     for h, p, kw in zip(handles, prompts, kws, strict=True):
@@ -83,7 +83,7 @@ def test_prompts_prefilled_together_stay_within_the_cache_when_padded(models) ->
     # Step 2 resumes the first prompt at position 16: the second's chunk is cut to 8 so that the rows,
     # padded to one width, still end inside the 24 positions.
     s = tinyloop.Scheduler(m, max_batch=2, max_seq_len=24, prefill_chunk_tokens=16, prefix_pool=False)
-    s.prefill_together = True  # as on a GPU: one forward per round
+    s.prefill.together = True  # as on a GPU: one forward per round
     handles = [s.submit(p, **kw) for p in prompts]
     s.stop(drain=True)
     assert [h.result().tolist() for h in handles] == [_alone(m, p, kw) for p in prompts]

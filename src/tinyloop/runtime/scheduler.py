@@ -35,6 +35,7 @@ from tinyloop.runtime.decode import Row, begin, decode_step, pick_token, prepare
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.prefix_hooks import PoolEntry, PrefixHooks
 from tinyloop.runtime.requests import Request, RequestHandle
+from tinyloop.runtime.staged_prefill import StagedPrefill
 
 
 def step_rows(last_live: int, max_batch: int) -> int:
@@ -67,11 +68,7 @@ class SlotScheduler:
         self.limits = limits
         self.prefix = prefix
         self.slots = new_cache(limits.max_batch)  # None: kv_mode 'none' (every step recomputes the rows)
-        self.staging = new_cache(limits.prefill_rows) if self.slots is not None else None
-        # Whether the prompts admitted in a step run as one batched forward. A GPU's prefill step costs mostly
-        # host time whatever its rows; a CPU's is bound by its arithmetic, and its fast path prefills one row at
-        # a time (batched, the prompts would take the generic forward: the batch job 17 % slower, measured).
-        self.prefill_together = engine.device.type != "cpu"
+        self.prefill = StagedPrefill(engine, new_cache(limits.prefill_rows) if self.slots is not None else None)
         self._rows: list[Request | None] = [None] * limits.max_batch
         self._prefilling: list[Request] = []  # admitted, prompt not yet in the slot (at most one after a step)
         self._waiting: deque[Request] = deque()
@@ -316,7 +313,7 @@ class SlotScheduler:
                 break
             self._count_prefix_hit(req)
             left = int(req.row.prompt.numel()) - req.prefilled
-            chunk = left if self.staging is None else min(budget, left, room)  # no cache: the whole prompt
+            chunk = left if self.prefill.staging is None else min(budget, left, room)  # no cache: the whole prompt
             plan.append((req, chunk))
             budget -= chunk
             room, widest = min(room, seq - req.prefilled), max(widest, chunk)
@@ -367,13 +364,10 @@ class SlotScheduler:
     def _start_from_pool(self, req: Request) -> torch.Tensor | None:
         """Start the request's staging row from the longest prefix the pool holds. An exact hit is copied
         straight into the slot and its stored logits returned: no prefill at all."""
-        hooks, staging = self.prefix, self.staging
+        hooks = self.prefix
         req.handle.stats.prefix_hit_tokens = 0
-        if staging is not None:
-            lengths = staging.lengths.clone()
-            lengths[req.stage_row] = 0
-            staging.truncate(lengths)
-        if hooks is None or staging is None:
+        self.prefill.clear_row(req.stage_row)
+        if hooks is None or self.prefill.staging is None:
             return None
         row = req.row
         match = hooks.longest_prefix(row)
@@ -387,22 +381,26 @@ class SlotScheduler:
             self._count_prefix_hit(req)
             self._place(req, kv, len(entry.tokens))
             return entry.last_logits()
-        staging.restore(kv, len(entry.tokens), row.loops, match.reuse, row=req.stage_row)
+        self.prefill.start_from(kv, len(entry.tokens), row.loops, match.reuse, req.stage_row)
         req.prefilled = match.reuse
         return None
 
     def _prefill(self, plan: list[tuple[Request, int]]) -> None:
-        """Run the plan's chunks (`_prefill_step`); requests whose prompt is then complete move to their slots
-        and sample their first token."""
+        """Run the plan's chunks; requests whose prompt is then complete move to their slots and sample their
+        first token, and a prompt the budget cut goes on from staging row 0 next step."""
         if not plan:
             return
+        chunks = [req.row.prompt[req.prefilled : req.prefilled + chunk] for req, chunk in plan]
         try:
-            logits = self._prefill_step(plan)
+            logits, forwards = self.prefill.run(chunks, [req.row.loops for req, _ in plan])
         except Exception as exc:  # a failed step fails every request in it
             for req, _ in plan:
                 self._fail(req, exc)
             self._prefilling = []
             return
+        with self._cond:
+            self._counts["prefill_steps"] += forwards
+            self._counts["prefill_rows"] += len(plan)
         finished: list[tuple[Request, torch.Tensor]] = []
         for i, (req, chunk) in enumerate(plan):
             req.prefilled += chunk
@@ -410,9 +408,9 @@ class SlotScheduler:
             if req.prefilled < n:
                 continue
             self._prefilling.remove(req)
-            if self.staging is not None:
+            if self.prefill.staging is not None:
                 try:
-                    kv = self.staging.snapshot(n, req.row.loops, row=req.stage_row)
+                    kv = self.prefill.snapshot(n, req.row.loops, req.stage_row)
                     self._place(req, kv, n)
                 except Exception as exc:
                     self._fail(req, exc)
@@ -421,50 +419,9 @@ class SlotScheduler:
                     self.prefix.offer(req.row, kv, logits[i])
             finished.append((req, logits[i]))
         self._first_tokens(finished)
-        self._carry_to_first_stage_row()
-
-    def _prefill_step(self, plan: list[tuple[Request, int]]) -> torch.Tensor:
-        """The plan's forward (or one per row, see `prefill_together`): the logits [len(plan), V] after each
-        row's chunk."""
-        chunks = [req.row.prompt[req.prefilled : req.prefilled + chunk] for req, chunk in plan]
-        loops = [req.row.loops for req, _ in plan]
-        if self.prefill_together:
-            logits = self._prefill_forward(chunks, loops, 0)
-        else:
-            one_by_one = [self._prefill_forward([chunk], [loops[b]], b) for b, chunk in enumerate(chunks)]
-            logits = torch.cat(one_by_one)
-        with self._cond:
-            self._counts["prefill_steps"] += 1 if self.prefill_together else len(plan)
-            self._counts["prefill_rows"] += len(plan)
-        return logits
-
-    def _prefill_forward(self, chunks: list[torch.Tensor], loops: list[int], first: int) -> torch.Tensor:
-        """One forward of the chunks, right-padded, over staging rows [first, first + len(chunks)): the
-        logits [len(chunks), V] after each."""
-        valid = torch.tensor([len(c) for c in chunks], dtype=torch.long)
-        tokens = torch.zeros(len(chunks), int(valid.max()), dtype=torch.long)
-        for b, c in enumerate(chunks):
-            tokens[b, : len(c)] = c
-        depth = torch.tensor(loops, dtype=torch.long)
-        staging = self.staging
-        if staging is None:
-            out = self.engine.step(tokens, None, max(loops), valid=valid, last_only=True, depth=depth)
-        else:
-            view = staging.rows(first, len(chunks))
-            out = self.engine.step(tokens, view, max(loops), valid=valid, last_only=True, depth=depth)
-            staging.absorb(view)
-        assert out.logits is not None
-        return out.logits[:, -1]
-
-    def _carry_to_first_stage_row(self) -> None:
-        """The request still prefilling (at most one) goes on from staging row 0 next step."""
-        staging = self.staging
-        if not self._prefilling or staging is None:
-            return
-        (req,) = self._prefilling
-        if req.stage_row != 0:
-            kv = staging.snapshot(req.prefilled, req.row.loops, row=req.stage_row)
-            staging.restore(kv, req.prefilled, req.row.loops, req.prefilled, row=0)
+        if self._prefilling:  # at most one
+            (req,) = self._prefilling
+            self.prefill.move_to_first_row(req.prefilled, req.row.loops, req.stage_row)
             req.stage_row = 0
 
     def _first_tokens(self, finished: list[tuple[Request, torch.Tensor]]) -> None:
