@@ -59,7 +59,7 @@ def test_warm_up_steps_every_batch_size_and_leaves_no_trace(models, monkeypatch,
     before = s.stats()
     report = s.warm_up()
     loops = m.header.config.default_loops
-    assert (report.buckets, report.loops, report.requests) == (BUCKETS[max_batch], 4, sum(BUCKETS[max_batch]) + 2)
+    assert (report.buckets, report.loops, report.requests) == (BUCKETS[max_batch], (4,), sum(BUCKETS[max_batch]) + 2)
     assert report.seconds > 0
     # Each batch size had a step with every one of its rows live, all at the default loops.
     assert fully_live(steps) == set(BUCKETS[max_batch])
@@ -78,6 +78,37 @@ def test_warm_up_steps_every_batch_size_and_leaves_no_trace(models, monkeypatch,
     assert handle.result(timeout=60).tolist() == m.generate(prompt, **kw).tolist()
     assert s.stats()["finished"] == 1 and s.stats()["prompt_tokens"] == len(prompt)
     assert len(pool) == (0 if mode == "none" else 1)  # the pool still takes the requests' prompts
+
+
+@pytest.mark.parametrize("started", [False, True], ids=["stepped", "started"])
+def test_warm_up_at_several_depths_steps_every_batch_size_at_each(models, monkeypatch, started) -> None:
+    m = models["16bit"]
+    steps = record_decode_steps(monkeypatch)
+    s = tinyloop.Scheduler(m, max_batch=4, max_loops=8)
+    if started:
+        s.start()
+    report = s.warm_up([6, 2, 6])  # a depth named twice is warmed up once
+    assert (report.buckets, report.loops, report.requests) == ((4, 2, 1), (6, 2), 2 * (4 + 2 + 1 + 2))
+    for depth in (6, 2):
+        assert {rows for rows, live, at in steps if live == rows and at == depth} == {4, 2, 1}
+    assert set(s.decoded_buckets) == {(rows, depth) for rows in (4, 2, 1) for depth in (6, 2)}
+    assert s.stats()["finished"] == 0 and s._rows == [None] * 4
+    prompt, kw = AFTER
+    handle = s.submit(prompt, **{**kw, "loops": 2})
+    s.stop(drain=True)
+    assert handle.result(timeout=60).tolist() == m.generate(prompt, **{**kw, "loops": 2}).tolist()
+
+
+@pytest.mark.parametrize(
+    ("loops", "message"),
+    [([9], r"warm_up loops \[9\] exceed this scheduler's max_loops \(8\)"), ([], "at least one depth"),
+     (0, "must be a positive integer, got 0"), ([2, True], "got True"), ("4", "got '4'")],
+)  # fmt: skip
+def test_warm_up_refuses_depths_it_cannot_run(models, loops, message) -> None:
+    s = tinyloop.Scheduler(models["16bit"], max_batch=2, max_loops=8)
+    with pytest.raises(ValueError, match=message):
+        s.warm_up(loops)
+    assert s.warm_up(8).loops == (8,)  # nothing ran, nothing left behind
 
 
 def test_warm_up_refuses_a_busy_scheduler_and_submissions_while_it_runs(models, monkeypatch) -> None:

@@ -60,10 +60,10 @@ def test_health_says_warming_up_until_the_warm_up_ends(tiny_model, monkeypatch, 
     reports: list[Any] = []
     warm_up = Scheduler.warm_up
 
-    def held(self):  # type: ignore[no-untyped-def]
+    def held(self, loops=None):  # type: ignore[no-untyped-def]
         entered.set()
         release.wait(30)
-        reports.append(warm_up(self))
+        reports.append(warm_up(self, loops))
         return reports[-1]
 
     monkeypatch.setattr(Scheduler, "warm_up", held)
@@ -87,7 +87,7 @@ def test_health_says_warming_up_until_the_warm_up_ends(tiny_model, monkeypatch, 
 
 
 def test_a_failed_warm_up_is_reported_like_a_load_error(tiny_model, monkeypatch) -> None:
-    def broken(self):  # type: ignore[no-untyped-def]
+    def broken(self, loops=None):  # type: ignore[no-untyped-def]
         raise RuntimeError("a broken kernel")
 
     monkeypatch.setattr(Scheduler, "warm_up", broken)
@@ -102,8 +102,44 @@ def test_a_failed_warm_up_is_reported_like_a_load_error(tiny_model, monkeypatch)
 @pytest.mark.parametrize("warm_up", [None, False])
 def test_no_warm_up_on_the_cpu_by_default_or_when_turned_off(tiny_model, monkeypatch, warm_up) -> None:
     calls: list[object] = []
-    monkeypatch.setattr(Scheduler, "warm_up", lambda self: calls.append(self))
+    monkeypatch.setattr(Scheduler, "warm_up", lambda self, loops=None: calls.append(self))
     assert tiny_model.device.type == "cpu"
     with running_server(lambda: tiny_model, warm_up=warm_up) as url:
         assert wait_for_health(url).status_code == 200
     assert calls == []
+
+
+def test_the_cli_passes_the_warm_up_depths_and_refuses_what_cannot_run(monkeypatch, capsys) -> None:
+    parser = build_parser()
+    assert parser.parse_args([]).warm_up_loops is None
+    assert parser.parse_args(["--warm-up-loops", "8,2"]).warm_up_loops == [2, 8]
+    passed: list[Any] = []
+
+    def serve(model, sock, **options):  # type: ignore[no-untyped-def]
+        sock.close()
+        passed.append((options["warm_up"], options["warm_up_loops"]))
+
+    monkeypatch.setattr("tinyloop.serve.server.serve", serve)
+    assert main(["tiny", "serve", "--port", "0", "--warm-up-loops", "2,4"]) == 0
+    assert passed == [(None, [2, 4])]
+    capsys.readouterr()
+    for flags, message in ((["--warm-up-loops", "2", "--no-warm-up"], "drop --no-warm-up"),
+                           (["--warm-up-loops", "2,9", "--max-loops", "8"], "--warm-up-loops 9 exceeds --max-loops 8"),
+                           (["--warm-up-loops", "2,2"], "must be distinct positive integers")):  # fmt: skip
+        assert main(["tiny", "serve", "--port", "0", *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert len(passed) == 1
+
+
+def test_warm_up_depths_warm_up_each_and_turn_the_warm_up_on(tiny_model, capsys) -> None:
+    assert tiny_model.device.type == "cpu"  # where the warm-up is otherwise off
+    with running_server(lambda: tiny_model, warm_up_loops=(2, 8), max_loops=8) as url:
+        assert wait_for_health(url).status_code == 200
+        r = httpx.post(f"{url}/v1/completions", json=BODY, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy_text(tiny_model)
+    logged = re.findall(r"warm-up: \d+\.\d s, decode steps of 4, 2, 1 rows at 2, 8 loops \(18 requests\)\n",
+                        capsys.readouterr().err)  # fmt: skip
+    assert len(logged) == 1
+    with pytest.raises(ValueError, match="warm_up is False"):
+        running_server(lambda: tiny_model, warm_up=False, warm_up_loops=(2,)).__enter__()

@@ -3,6 +3,7 @@ fixed set of cache rows while others decode (the loop itself: runtime/scheduler.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -185,17 +186,19 @@ class Scheduler(SlotScheduler):
         handle.stats.logprobs = row.stats.logprobs  # the decode loop's records, read as the tokens arrive
         return Request(row, handle, stop_filter)
 
-    def warm_up(self) -> WarmUpReport:
+    def warm_up(self, loops: int | Sequence[int] | None = None) -> WarmUpReport:
         """Run a fixed set of internal requests through this scheduler before any traffic, so that what a GPU
         does on first use (compile Triton kernels, capture a CUDA graph per decode batch size) happens here
         rather than inside the first requests (a cold H100 put ~10 s of it there).
 
         One wave per decode batch size (the powers of two below max_batch, then max_batch), largest first:
         that many one-token greedy prompts, queued together, so that they fill the leading slots and decode
-        at least one step together at the default loops (the model's default, at most max_loops). Then a
-        16-token prompt, sampled (temperature 0.8, top_p 0.9, seed 0), and a greedy one of up to 256 tokens,
-        both cut to fit max_seq_len. A few tokens each: a few seconds on the CPU for the built-in model at
-        max_batch 8, and on a GPU mostly the compiles and captures themselves.
+        at least one step together. Then a 16-token prompt, sampled (temperature 0.8, top_p 0.9, seed 0), and a
+        greedy one of up to 256 tokens, both cut to fit max_seq_len. All of it at each depth of `loops` (one
+        count or several, at most max_loops; default: the model's default loops, at most max_loops): a GPU
+        captures a decode graph per batch size and depth, so a server whose clients ask several depths warms
+        up each. A few tokens each: a few seconds on the CPU for the built-in model at max_batch 8, and on a
+        GPU mostly the compiles and captures themselves.
 
         Works started (the engine thread runs the requests) or not (it steps the scheduler itself). It
         leaves no trace: every slot free, nothing read from or offered to the prefix pool, `stats()` as
@@ -203,11 +206,11 @@ class Scheduler(SlotScheduler):
 
         Raises RuntimeError if requests are waiting or running (warm it up before submitting), or if a
         warm-up request fails; `submit` raises RuntimeError while the warm-up runs. ValueError: max_seq_len
-        too short for a decode step."""
+        too short for a decode step, or loops not positive integers up to max_loops."""
         model = self.model
         model._check_open()
         limits = self.limits
-        loops = min(model._loops(None), limits.max_loops)
+        depths = self._warm_up_depths(loops)
         # Each request must still hold its slot when its wave's last one is admitted (one-token prompts: up
         # to prefill_chunk_tokens of them per step), so that a decode step spans the whole wave.
         max_tokens = 1 + -(-limits.max_batch // limits.prefill_chunk_tokens)
@@ -217,14 +220,33 @@ class Scheduler(SlotScheduler):
                              f"size; this scheduler's is {limits.max_seq_len}")  # fmt: skip
         vocab = model.header.config.vocab_size
 
-        def request(length: int, first: int, **sampling: Any) -> Request:
+        def request(length: int, first: int, depth: int, **sampling: Any) -> Request:
             ids = torch.arange(first, first + length) % vocab
-            return self._request(ids, model._params(max_tokens=max_tokens, loops=loops, **sampling))
+            return self._request(ids, model._params(max_tokens=max_tokens, loops=depth, **sampling))
 
-        waves = [[request(1, i, temperature=0.0) for i in range(size)] for size in decode_buckets(limits.max_batch)]
         short, long = (min(length, room) for length in WARM_UP_PROMPT_LENGTHS)
-        waves.append([request(short, 0, temperature=0.8, top_p=0.9, seed=0), request(long, 1, temperature=0.0)])
-        return warm_up(self, waves, loops)
+        waves: list[list[Request]] = []
+        for depth in depths:
+            waves += [[request(1, i, depth, temperature=0.0) for i in range(size)]
+                      for size in decode_buckets(limits.max_batch)]  # fmt: skip
+            waves.append([request(short, 0, depth, temperature=0.8, top_p=0.9, seed=0),
+                          request(long, 1, depth, temperature=0.0)])  # fmt: skip
+        return warm_up(self, waves, depths)
+
+    def _warm_up_depths(self, loops: int | Sequence[int] | None) -> tuple[int, ...]:
+        """The distinct depths a warm-up covers, in the order given."""
+        max_loops = self.limits.max_loops
+        if loops is None:
+            return (min(self.model._loops(None), max_loops),)
+        values = [loops] if isinstance(loops, (int, np.integer)) else list(loops)
+        if not values:
+            raise ValueError("warm_up loops must name at least one depth")
+        depths = tuple(dict.fromkeys(_positive("warm_up loops", value) for value in values))
+        deeper = [depth for depth in depths if depth > max_loops]
+        if deeper:
+            raise ValueError(f"warm_up loops {deeper} exceed this scheduler's max_loops ({max_loops}); raise "
+                             "max_loops (tinyloop serve: --max-loops)")  # fmt: skip
+        return depths
 
     def _exit_criterion(self, params: SamplingParams) -> ExitCriterion | None:
         if params.exit_criterion is None:

@@ -107,6 +107,17 @@ def loop_count(text: str) -> int:
     return value
 
 
+def loops_list(text: str) -> list[int]:
+    """Comma-separated distinct loop counts, e.g. 1,2,4,8 (sorted)."""
+    try:
+        values = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"must be distinct positive integers, got {text!r}")
+    return sorted(values)
+
+
 def non_negative_int(text: str) -> int:
     value = _int(text)
     if value < 0:

@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
-from tinyloop.cli.args import CliError, Parser, add_dtype_argument, non_negative_float, positive_int, torch_dtype
+from tinyloop.cli.args import (
+    CliError,
+    Parser,
+    add_dtype_argument,
+    loops_list,
+    non_negative_float,
+    positive_int,
+    torch_dtype,
+)
 
 EXIT_CRITERIA = ("kl", "entropy", "argmax", "latent", "gate")
 KV_MODES = ("16bit", "int8", "window", "hidden", "none")
-
-
-def loops_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"must be distinct positive integers, got {text!r}")
-    return sorted(values)
 
 
 def build_parser() -> Parser:

@@ -15,6 +15,7 @@ from tinyloop.cli.args import (
     Parser,
     add_device_arguments,
     loop_count,
+    loops_list,
     non_negative_float,
     positive_int,
     torch_dtype,
@@ -50,6 +51,9 @@ def build_parser() -> Parser:
                    help="before GET /health answers 200, run a few requests through every decode batch size, so that "
                    "kernel compiles and CUDA graph captures are not paid by the first requests (default: on CUDA "
                    "only)")  # fmt: skip
+    p.add_argument("--warm-up-loops", type=loops_list, default=None, metavar="L1,L2,...",
+                   help="the depths the warm-up covers, each at most --max-loops: a GPU captures a decode graph per "
+                   "batch size and depth (default: the model's default loops; implies --warm-up)")  # fmt: skip
     p.add_argument("--shutdown-grace", type=non_negative_float, default=10.0, metavar="S",
                    help="on SIGTERM/SIGINT: seconds in-flight requests may take to finish before they are aborted "
                    "(default: 10)")  # fmt: skip
@@ -73,6 +77,10 @@ def run_serve(path: str, argv: list[str]) -> int:
                        f"(missing: {', '.join(missing)})", code=1)  # fmt: skip
     if not 0 <= args.port <= 65535:
         raise CliError(f"--port must be in [0, 65535], got {args.port}")
+    if args.warm_up_loops and args.warm_up is False:
+        raise CliError("--warm-up-loops names depths to warm up; drop --no-warm-up")
+    if args.warm_up_loops and args.max_loops is not None and max(args.warm_up_loops) > args.max_loops:
+        raise CliError(f"--warm-up-loops {max(args.warm_up_loops)} exceeds --max-loops {args.max_loops}")
     if args.ray:
         return _serve_on_ray(path, args)
     if args.ray_address is not None or args.replicas != 1 or args.num_gpus or args.autoscale:
@@ -89,7 +97,7 @@ def run_serve(path: str, argv: list[str]) -> int:
           "once the model is ready)", file=sys.stderr, flush=True)  # fmt: skip
     serve(load, sock, served_model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
           max_queue=args.max_queue, max_loops=args.max_loops, shutdown_grace_s=args.shutdown_grace,
-          warm_up=args.warm_up)  # fmt: skip
+          warm_up=args.warm_up, warm_up_loops=args.warm_up_loops)  # fmt: skip
     return 0
 
 
@@ -122,7 +130,7 @@ def _serve_on_ray(path: str, args: Any) -> int:
                        "dtype": torch_dtype(args.dtype, args.device)},
         served_model_name=args.served_model_name, api_key=args.api_key, max_batch=args.max_batch,
         max_queue=args.max_queue, max_seq_len=args.max_seq_len, max_loops=args.max_loops,
-        shutdown_grace_s=args.shutdown_grace, warm_up=args.warm_up,
+        shutdown_grace_s=args.shutdown_grace, warm_up=args.warm_up, warm_up_loops=args.warm_up_loops,
     )  # fmt: skip
     ray.init(address=args.ray_address, log_to_driver=False)
     stop = threading.Event()

@@ -1,6 +1,6 @@
 """Warm-up: requests run through a scheduler before any traffic, so that what a GPU does on first use
 (compile Triton kernels, capture a CUDA graph per decode batch size) is not paid by the first requests; a
-decode step of every batch size must have run, and the scheduler keeps no trace of them."""
+decode step of every batch size must have run at every depth asked, and the scheduler keeps no trace of them."""
 
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ from tinyloop.runtime.scheduler import SlotScheduler, step_rows
 
 @dataclass(frozen=True)
 class WarmUpReport:
-    """What a warm-up ran: its seconds, the decode batch sizes (`decode_buckets`) it stepped at `loops`,
-    and its requests."""
+    """What a warm-up ran: its seconds, the decode batch sizes (`decode_buckets`) it stepped at each of
+    `loops`, and its requests."""
 
     seconds: float
     buckets: tuple[int, ...]
-    loops: int
+    loops: tuple[int, ...]
     requests: int
 
 
@@ -27,19 +27,19 @@ def decode_buckets(max_batch: int) -> list[int]:
     return sorted({step_rows(last, max_batch) for last in range(max_batch)}, reverse=True)
 
 
-def warm_up(scheduler: SlotScheduler, waves: list[list[Request]], loops: int) -> WarmUpReport:
+def warm_up(scheduler: SlotScheduler, waves: list[list[Request]], loops: tuple[int, ...]) -> WarmUpReport:
     """Run `waves` one after another, each queued at once and finished before the next (on the engine thread
     if started, else by stepping here), leaving no trace; RuntimeError unless a decode step of every bucket
-    ran at `loops`."""
+    ran at each of `loops`."""
     began = time.perf_counter()
     decoded_before = dict(scheduler.decoded_buckets)
     with scheduler._untraced():
         for wave in waves:
             scheduler._run_wave(wave)
     buckets = decode_buckets(scheduler.limits.max_batch)
-    missing = [
-        rows for rows in buckets if scheduler.decoded_buckets[rows, loops] == decoded_before.get((rows, loops), 0)
-    ]
-    if missing:
-        raise RuntimeError(f"the warm-up ran no decode step over {missing} slots at {loops} loops")
+    for depth in loops:
+        missing = [rows for rows in buckets
+                   if scheduler.decoded_buckets[rows, depth] == decoded_before.get((rows, depth), 0)]  # fmt: skip
+        if missing:
+            raise RuntimeError(f"the warm-up ran no decode step over {missing} slots at {depth} loops")
     return WarmUpReport(time.perf_counter() - began, tuple(buckets), loops, sum(len(w) for w in waves))

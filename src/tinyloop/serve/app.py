@@ -13,7 +13,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -48,15 +48,21 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completio
 
 class ServerState:
     """The model, its engine and the server's metrics; `ready` once the model has loaded and, where warm_up is
-    on (None: on CUDA), its scheduler has warmed up."""
+    on (None: on CUDA, or where warm_up_loops names depths), its scheduler has warmed up at warm_up_loops."""
 
     def __init__(
-        self, name: str | None, api_key: str | None, engine_options: dict[str, Any], warm_up: bool | None
+        self,
+        name: str | None,
+        api_key: str | None,
+        engine_options: dict[str, Any],
+        warm_up: bool | None,
+        warm_up_loops: tuple[int, ...] | None = None,
     ) -> None:
         self.name = name
         self.api_key = api_key
         self.engine_options = engine_options
         self.warm_up = warm_up
+        self.warm_up_loops = warm_up_loops
         self.warming_up = False
         self.metrics = ServerMetrics()
         self.model: Any = None
@@ -69,13 +75,13 @@ class ServerState:
         codec = model.tokenizer if model.has_tokenizer else ByteTokenizer()
         self.engine = ServeEngine(model, **self.engine_options)
         self.engine.start()
-        wanted = model.device.type == "cuda" if self.warm_up is None else self.warm_up
+        wanted = bool(self.warm_up_loops) or model.device.type == "cuda" if self.warm_up is None else self.warm_up
         if wanted:
             self.warming_up = True
-            report = self.engine.scheduler.warm_up()
+            report = self.engine.scheduler.warm_up(self.warm_up_loops)
             self.warming_up = False
             log.info(f"warm-up: {report.seconds:.1f} s, decode steps of {', '.join(map(str, report.buckets))} rows "
-                     f"at {report.loops} loops ({report.requests} requests)")  # fmt: skip
+                     f"at {', '.join(map(str, report.loops))} loops ({report.requests} requests)")  # fmt: skip
         self.codec = codec
         opts = self.engine_options
         threads = opts["max_batch"] + 2 * opts["max_queue"] + 8  # one per stream that may be waiting for a token
@@ -106,6 +112,7 @@ def create_app(
     max_loops: int | None = None,
     shutdown_grace_s: float = 10.0,
     warm_up: bool | None = None,
+    warm_up_loops: Sequence[int] | None = None,
 ) -> FastAPI:
     """The server's application for `model` (a tinyloop.Model, or a function returning one, called on a
     background thread at startup: GET /health answers 503 until it returns). served_model_name: the id
@@ -113,9 +120,13 @@ def create_app(
     on /v1 and the tokenizer endpoints. max_batch / max_queue / max_seq_len / max_loops: the scheduler's
     rows, waiting requests, positions per request (default: the model's) and deepest loops (default: the
     model's default loops). shutdown_grace_s: what in-flight requests may take at shutdown. warm_up: run
-    `Scheduler.warm_up` after loading, before GET /health answers 200 (None: where the model is on CUDA)."""
+    `Scheduler.warm_up` after loading, before GET /health answers 200 (None: where the model is on CUDA or
+    warm_up_loops is given), at the depths warm_up_loops names (default: the model's default loops)."""
+    if warm_up is False and warm_up_loops:
+        raise ValueError("warm_up_loops names depths to warm up, but warm_up is False")
     engine_options = dict(max_batch=max_batch, max_queue=max_queue, max_seq_len=max_seq_len, max_loops=max_loops)
-    state = ServerState(served_model_name, api_key, engine_options, warm_up)
+    depths = tuple(warm_up_loops) if warm_up_loops else None
+    state = ServerState(served_model_name, api_key, engine_options, warm_up, depths)
 
     def load() -> None:
         try:
