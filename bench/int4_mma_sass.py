@@ -27,6 +27,16 @@ GROUP = 64
 SHAPES = {"qkv": (6144, 2048, 0, True, False), "o": (2048, 2048, 0, False, True),
           "gate_up": (11264, 2048, 1, True, False), "down": (2048, 5632, 0, False, True)}  # fmt: skip
 ISSUE_BUDGET = 4 * 132 * 1.98e9 / 3.35e12  # warp instructions per byte at full bandwidth (H100 SXM)
+# An H100 SM: 65,536 registers (given to warps in blocks of 256), 228 KiB of shared memory (1 KiB of it reserved
+# per block), 64 warps, 32 blocks.
+SM_REGISTERS, SM_SHARED, SM_WARPS, SM_BLOCKS = 65536, 228 * 1024, 64, 32
+
+
+def programs_per_sm(registers: int, shared: int, warps: int) -> int:
+    """How many programs of `warps` warps an H100 SM holds at once at `registers` a thread and `shared` bytes."""
+    per_warp = -(-registers * 32 // 256) * 256
+    by_shared = SM_SHARED // (shared + 1024)
+    return min(SM_REGISTERS // (per_warp * warps), by_shared, SM_WARPS // warps, SM_BLOCKS)
 
 
 def compile_product(mma: Any, policy: Any, name: str, rows: int, wgmma: bool = False) -> dict[str, Any]:
@@ -71,7 +81,8 @@ def compile_product(mma: Any, policy: Any, name: str, rows: int, wgmma: bool = F
     return {"product": name, "rows": rows, "tile": [warps, row_tiles, block_k, rows_x], "registers": registers,
             "local_bytes": local, "shared_bytes": compiled.metadata.shared, "k_step_instructions": steps,
             "k_step_barriers": k_step["barriers"], "weight_bytes_per_step": tile_bytes,
-            "warp_instructions_per_byte": round(steps * warps / tile_bytes, 3)}  # fmt: skip
+            "warp_instructions_per_byte": round(steps * warps / tile_bytes, 3),
+            "programs_per_sm": programs_per_sm(registers, compiled.metadata.shared, warps)}  # fmt: skip
 
 
 def main() -> None:
@@ -96,7 +107,8 @@ def main() -> None:
                 print(json.dumps(res))
                 continue
             print(f"{name:8s} {rows:2d} rows, tile {res['tile']}: {res['registers']} registers "
-                  f"({res['local_bytes']} B local), {res['shared_bytes']} B shared; K step "
+                  f"({res['local_bytes']} B local), {res['shared_bytes']} B shared, {res['programs_per_sm']} programs "
+                  f"an SM; K step "
                   f"{res['k_step_instructions']} instructions a thread for {res['weight_bytes_per_step']} weight "
                   f"bytes = "
                   f"{res['warp_instructions_per_byte']} warp instructions a byte")  # fmt: skip
