@@ -67,6 +67,13 @@ class ModeCache(StepCache, Protocol):
     def check_integrity(self) -> None: ...
 
 
+def empty_row(cache: StepCache, row: int) -> None:
+    """Row `row` holds no tokens from now on (its buffers stay: what comes next overwrites them)."""
+    lengths = cache.lengths.clone()
+    lengths[row] = 0
+    cache.truncate(lengths)
+
+
 def allocate(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str, what: str) -> torch.Tensor:
     """A zeroed buffer, or OutOfMemoryError ('out of memory: ...') before or instead of a crash."""
     dev = torch.device(device)

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tinyloop.cache.base import ModeCache
+from tinyloop.cache.base import ModeCache, empty_row
 from tinyloop.errors import QueueFullError
 from tinyloop.runtime.decode import Row, begin, decode_step, pick_token, prepared_picks
 from tinyloop.runtime.engine import Engine
@@ -522,6 +522,4 @@ class SlotScheduler:
     def _release(self, b: int) -> None:
         self._rows[b] = None
         if self.slots is not None:
-            lengths = self.slots.lengths.clone()
-            lengths[b] = 0  # an empty slot rides along at position 0
-            self.slots.truncate(lengths)
+            empty_row(self.slots, b)  # an empty slot rides along at position 0

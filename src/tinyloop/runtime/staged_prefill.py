@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tinyloop.cache.base import ModeCache
+from tinyloop.cache.base import ModeCache, empty_row
 from tinyloop.runtime.engine import Engine
 
 
@@ -27,11 +27,8 @@ class StagedPrefill:
         self.together = engine.device.type != "cpu"
 
     def clear_row(self, row: int) -> None:
-        staging = self.staging
-        if staging is not None:
-            lengths = staging.lengths.clone()
-            lengths[row] = 0
-            staging.truncate(lengths)
+        if self.staging is not None:
+            empty_row(self.staging, row)
 
     def start_from(self, kv: dict[str, torch.Tensor], length: int, loops: int, reuse: int, row: int) -> None:
         """Row `row` begins with the first `reuse` positions of a snapshot of `length` tokens."""

@@ -75,7 +75,7 @@ class ServerState:
         codec = model.tokenizer if model.has_tokenizer else ByteTokenizer()
         self.engine = ServeEngine(model, **self.engine_options)
         self.engine.start()
-        wanted = bool(self.warm_up_loops) or model.device.type == "cuda" if self.warm_up is None else self.warm_up
+        wanted = (bool(self.warm_up_loops) or model.device.type == "cuda") if self.warm_up is None else self.warm_up
         if wanted:
             self.warming_up = True
             report = self.engine.scheduler.warm_up(self.warm_up_loops)
