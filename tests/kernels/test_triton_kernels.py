@@ -80,10 +80,10 @@ BLOCKED_CASES = [
 ]
 
 
-def one_token_problem(pairing: str, rows: int):  # type: ignore[no-untyped-def]
-    """A one-token attention problem of 4 query heads and 2 kv heads of 16 over caches of 300 positions:
+def one_token_problem(pairing: str, rows: int, hd: int = 16):  # type: ignore[no-untyped-def]
+    """A one-token attention problem of 4 query heads and 2 kv heads of `hd` over caches of 300 positions:
     (config, RoPE tables, qkv rows, (keys, values))."""
-    H, KVH, hd, S = 4, 2, 16, 300
+    H, KVH, S = 4, 2, 300
     gen = torch.Generator().manual_seed(4)
     cfg = ArchConfig(
         vocab_size=64, d_model=64, n_heads=H, n_kv_heads=KVH, head_dim=hd, ffn_dim=64,
@@ -395,6 +395,46 @@ def test_one_token_rope_attention_equals_two_kernels(
     if split is not None:
         counts = cuda_ops._split_scratch(qkv.device, B * H, split[0], hd)[1]
         assert not bool(counts.any())
+
+
+@pytest.mark.parametrize(("group", "tile"), [(32, (64, 32, 4)), (64, (16, 16, 1)), (128, (128, 64, 4))])
+@pytest.mark.parametrize("residual", [False, True], ids=["alone", "residual"])
+def test_attention_out_matches_float64_and_the_two_launches(group: int, tile: tuple[int, int, int], residual: bool):
+    """One-token attention fused with the INT4 output projection (tiles: keys per block, output rows, warps; 80
+    output rows leave a partial tile), heads of 64 over 1-2 blocks of the blocked layout, positions from an
+    empty cache to several blocks of keys: against float64 and against rope_attention then the blocked GEMV,
+    the caches written alike; the partial products poisoned first; twice, so the arrival counts were reset."""
+    from tinyloop.kernels import attention_out
+
+    B, H, KVH, hd, N = 3, 4, 2, 64, 80
+    cfg, cos, sin, qkv, caches = one_token_problem("half", B, hd)
+    pos = torch.tensor([0, 7, 260])
+    gen = torch.Generator().manual_seed(group)
+    plain = quantize_int4(torch.randn(N, H * hd, generator=gen) / (H * hd) ** 0.5, group)
+    weight = BlockedInt4Weight.from_int4(plain)
+    res = torch.randn(B, N, generator=gen) if residual else None
+    heads64, k_ref, v_ref = naive_one_token_attention(qkv, *caches, pos, cfg)
+    ref = heads64 @ plain.dequantize(torch.float64).T + (0 if res is None else res.double())
+    policy = interpreter_policy(attention_out_max_rows=B, attention_out_tile=tile)
+    ops = cuda_ops.CudaKernels(policy)  # type: ignore[arg-type]
+    assert ops.attention_out_applies(B, weight, H, hd, False)
+    assert not ops.attention_out_applies(B, weight, H, hd, True)  # long caches keep the split attention
+    assert not ops.attention_out_applies(B + 1, weight, H, hd, False)
+    assert not ops.attention_out_applies(B, plain, H, hd, False)
+    k_cache, v_cache = (c.clone() for c in caches)
+    tiles = -(-N // tile[1])
+    attention_out._scratch(qkv.device, B, H, tiles, hd, tile[1])[1].fill_(float("nan"))
+    args = (k_cache, v_cache, pos, cos, sin, H, KVH, hd, False, weight, res)
+    out = ops.attention_out(qkv, *args)
+    assert frob_rel_error(out, ref) <= 1e-6
+    assert frob_rel_error(k_cache, k_ref) <= 1e-7 and torch.equal(v_cache.double(), v_ref)
+    k2, v2 = (c.clone() for c in caches)
+    heads = ops.rope_attention(qkv, k2, v2, pos, cos, sin, H, KVH, hd, False)
+    two_launches = ops.fused_linear(heads, weight, **({} if res is None else {"residual": res}))
+    assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
+    assert frob_rel_error(out, two_launches) <= 1e-6
+    assert torch.equal(ops.attention_out(qkv, *args), out)
+    assert not bool(attention_out._scratch(qkv.device, B, H, tiles, hd, tile[1])[2].any())
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tinyloop.kernels import gluon_int4_mma, persistent_mlp
+from tinyloop.kernels import attention_out, gluon_int4_mma, persistent_mlp
 from tinyloop.kernels.dispatch import Weight
 from tinyloop.kernels.policy import ACT_GELU, ACT_NONE, ACT_SWIGLU, KernelPolicy
 from tinyloop.kernels.triton_attention import _cached_attention_kernel, _rope_attention_kernel, _rope_store_kernel
@@ -582,6 +582,14 @@ class CudaKernels:
 
     def rope_attention(self, qkv: torch.Tensor, *args: Any, long_cache: bool = False) -> torch.Tensor:
         return rope_attention(self.policy, qkv, *args, long_cache=long_cache)
+
+    def attention_out_applies(
+        self, rows: int, out_weight: object, n_heads: int, head_dim: int, long_cache: bool
+    ) -> bool:
+        return attention_out.attention_out_applies(self.policy, rows, out_weight, n_heads, head_dim, long_cache)
+
+    def attention_out(self, qkv: torch.Tensor, *args: Any) -> torch.Tensor:
+        return attention_out.attention_out(self.policy, qkv, *args)
 
     def int4_rows(self, ids: torch.Tensor, w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
         return int4_rows(self.policy, ids, w, dtype)

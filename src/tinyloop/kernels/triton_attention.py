@@ -259,6 +259,28 @@ def _attend(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, part_p
             WHOLE_ROWS: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
     """Split `split` (live: one of the first `live`) of `_rope_attention_kernel`'s program (b, h): cached keys lo
     to below hi, the new key with the last live split; keys and the query as whole rows or rotation halves."""
+    writes_cache = split == 0 and h % (N_HEADS // N_KV) == 0
+    m_i, l_i, acc = _attend_state(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, scale, stride_qkv, stride_cb,
+                                  stride_ch, stride_cs, b, h, pos, lo, hi, split == live - 1, writes_cache, N_HEADS,
+                                  N_KV, HEAD_DIM, INTERLEAVED, BLOCK_S, WHOLE_ROWS, PDL)  # fmt: skip
+    offs_d = tl.arange(0, HEAD_DIM)
+    out_row = out_ptr + (b * N_HEADS + h) * HEAD_DIM + offs_d
+    if live == 1:
+        tl.store(out_row, (acc / l_i).to(out_ptr.dtype.element_ty))
+    else:
+        _merge_splits(part_ptr, count_ptr + b * N_HEADS + h, (b * N_HEADS + h) * SPLITS, split, live, m_i, l_i,
+                      acc, out_row, HEAD_DIM, SPLITS)  # fmt: skip
+
+
+@triton.jit
+def _attend_state(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, scale, stride_qkv, stride_cb, stride_ch,
+                  stride_cs, b, h, pos, lo, hi, holds_new, writes_cache, N_HEADS: tl.constexpr, N_KV: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, BLOCK_S: tl.constexpr, WHOLE_ROWS: tl.constexpr,
+                  PDL: tl.constexpr):  # fmt: skip
+    """Query head h of row b ropes itself and its kv head's new key (`writes_cache`: and stores the new key and
+    value at cache position pos), attends to cached keys lo to below hi (and to the new key where `holds_new`),
+    and returns its softmax state: running max, sum and weighted values [HEAD_DIM], all float32. The first
+    block of cached keys is loaded before the wait on the previous kernel."""
     kvh = h // (N_HEADS // N_KV)
     half, idx1, idx2 = _rope_pairs(HEAD_DIM, INTERLEAVED)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -285,7 +307,7 @@ def _attend(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, part_p
         q1 = q1.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
         q2 = q2.to(qkv_ptr.dtype.element_ty).to(tl.float32) * scale
     v_new = tl.load(row + (N_HEADS + N_KV + kvh) * HEAD_DIM + offs_d).to(dt)
-    if split == 0 and h % (N_HEADS // N_KV) == 0:
+    if writes_cache:
         if WHOLE_ROWS:
             tl.store(k_cache + pos * stride_cs + offs_d, k1)
         else:
@@ -296,7 +318,6 @@ def _attend(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, part_p
         new_score = tl.sum(k1.to(tl.float32) * q1, axis=0)
     else:
         new_score = tl.sum(k1.to(tl.float32) * q1, axis=0) + tl.sum(k2.to(tl.float32) * q2, axis=0)
-    holds_new = split == live - 1
     # A split without the new key may see no key at all: a finite floor keeps its state 0 instead of NaN.
     m_i = tl.where(holds_new, new_score, -1.0e30)
     l_i = tl.where(holds_new, 1.0, 0.0)
@@ -305,12 +326,7 @@ def _attend(qkv_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, out_ptr, part_p
     for s0 in range(lo + BLOCK_S, hi, BLOCK_S):
         ka, kb, v, s_mask = _cached_block(k_cache, v_cache, s0, hi, stride_cs, idx1, idx2, offs_d, WHOLE_ROWS, BLOCK_S)
         m_i, l_i, acc = _softmax_block(_scores(ka, kb, q1, q2, s_mask, WHOLE_ROWS), v, m_i, l_i, acc)
-    out_row = out_ptr + (b * N_HEADS + h) * HEAD_DIM + offs_d
-    if live == 1:
-        tl.store(out_row, (acc / l_i).to(out_ptr.dtype.element_ty))
-    else:
-        _merge_splits(part_ptr, count_ptr + b * N_HEADS + h, (b * N_HEADS + h) * SPLITS, split, live, m_i, l_i,
-                      acc, out_row, HEAD_DIM, SPLITS)  # fmt: skip
+    return m_i, l_i, acc
 
 
 @triton.jit

@@ -66,12 +66,11 @@ IterationHook = Callable[[IterationView], "bool | torch.Tensor"]
 def layer(ops: ForwardOps, cfg: ArchConfig, x: torch.Tensor, lw: LayerWeights, slot: int) -> torch.Tensor:
     """One transformer layer with the config's norm placement: pre-norm residuals, or sandwich norms on
     each sublayer's output (added to the residual, or applied to the sum)."""
-    attn = ops.attention(x, lw, slot)
     if cfg.norm_placement == "pre":
-        x = ops.project(attn, lw.out, x)
+        x = ops.attention(x, lw, slot, x)
     else:
         assert lw.attn_post_norm is not None
-        x = ops.post_norm(ops.project(attn, lw.out), lw.attn_post_norm, x, sum_first=_sum_first(cfg))
+        x = ops.post_norm(ops.attention(x, lw, slot), lw.attn_post_norm, x, sum_first=_sum_first(cfg))
     if cfg.norm_placement == "pre":
         return ops.mlp(x, lw, x)  # x is this layer's own
     assert lw.mlp_post_norm is not None

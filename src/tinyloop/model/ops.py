@@ -31,9 +31,11 @@ class ForwardOps(Protocol):
         """Embedding rows of tokens [B, T], times `scale`."""
         ...
 
-    def attention(self, x: torch.Tensor, lw: LayerWeights, slot: int) -> torch.Tensor:
-        """norm(x) (lw.attn_norm) -> QKV (+ q/k bias) -> RoPE -> this step's K/V into cache slot `slot` ->
-        attention over the cache: the heads' outputs before the output projection."""
+    def attention(
+        self, x: torch.Tensor, lw: LayerWeights, slot: int, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The attention sublayer: norm(x) (lw.attn_norm) -> QKV (+ q/k bias) -> RoPE -> this step's K/V into
+        cache slot `slot` -> attention over the cache -> the output projection lw.out (+ residual, as `project`)."""
         ...
 
     def project(
@@ -112,8 +114,10 @@ class TorchOps:
         x = embedding(tokens, self.w.embed, self.dtype)
         return x * scale if scale != 1.0 else x
 
-    def attention(self, x: torch.Tensor, lw: LayerWeights, slot: int) -> torch.Tensor:
-        return attend(norm(x, lw.attn_norm, self.cfg), lw, self.cfg, self.ctx, slot)
+    def attention(
+        self, x: torch.Tensor, lw: LayerWeights, slot: int, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return self.project(attend(norm(x, lw.attn_norm, self.cfg), lw, self.cfg, self.ctx, slot), lw.out, residual)
 
     def project(
         self, h: torch.Tensor, w: Weight, residual: torch.Tensor | None = None, *, into_residual: bool = False

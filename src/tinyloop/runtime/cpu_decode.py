@@ -478,11 +478,13 @@ class _CpuOps:
     def embed(self, tokens: torch.Tensor, scale: float) -> torch.Tensor:
         return torch.mul(F.embedding(tokens, self.dec.embed), scale, out=self.buf.left[self.cur])
 
-    def attention(self, x: torch.Tensor, lw: LayerWeights, slot: int) -> torch.Tensor:
+    def attention(
+        self, x: torch.Tensor, lw: LayerWeights, slot: int, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
         dec, buf = self.dec, self.buf
         lp = dec.packs[id(lw)]
         dec._attention(dec._norm(buf, self.cur, lp.attn_norm), lp, self.cache, slot, self.st, buf)
-        return buf.attn2
+        return self.project(buf.attn2, lw.out, residual)
 
     def project(
         self, h: torch.Tensor, w: Weight, residual: torch.Tensor | None = None, *, into_residual: bool = False

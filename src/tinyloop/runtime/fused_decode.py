@@ -466,15 +466,30 @@ class _FusedOps:
         x = x * scale if scale != 1.0 else x
         return x.reshape(self.B * self.T, self.cfg.d_model)
 
-    def attention(self, x: torch.Tensor, lw: LayerWeights, slot: int) -> torch.Tensor:
-        cfg, eng, k, T = self.cfg, self.eng, self.k, self.T
+    def attention(
+        self, x: torch.Tensor, lw: LayerWeights, slot: int, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        cfg, eng, k = self.cfg, self.eng, self.k
         qkv = k.fused_linear(x, self._w(lw.qkv), norm_weight=lw.attn_norm.weight, eps=cfg.norm_eps,
                              bias=self.dec._qkv_bias[id(lw)])  # fmt: skip
         k_cache, v_cache = self.cache.k[slot], self.cache.v[slot]
         interleaved = cfg.rope_pairing == "interleaved"
-        if T == 1 and ROPE_ATTENTION_ONE_KERNEL:
-            return k.rope_attention(qkv, k_cache, v_cache, self.positions, eng.cos, eng.sin, cfg.n_heads,
-                                    cfg.n_kv_heads, cfg.head_dim, interleaved, long_cache=self.long_cache)  # fmt: skip
+        if self.T == 1 and ROPE_ATTENTION_ONE_KERNEL:
+            out_weight = self._w(lw.out)
+            if k.attention_out_applies(self.B, out_weight, cfg.n_heads, cfg.head_dim, self.long_cache):
+                return k.attention_out(qkv, k_cache, v_cache, self.positions, eng.cos, eng.sin, cfg.n_heads,
+                                       cfg.n_kv_heads, cfg.head_dim, interleaved, out_weight, residual)  # fmt: skip
+            heads = k.rope_attention(qkv, k_cache, v_cache, self.positions, eng.cos, eng.sin, cfg.n_heads,
+                                     cfg.n_kv_heads, cfg.head_dim, interleaved, long_cache=self.long_cache)  # fmt: skip
+        else:
+            heads = self._prompt_attention(qkv, k_cache, v_cache, interleaved)
+        return self.project(heads, lw.out, residual)
+
+    def _prompt_attention(
+        self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, interleaved: bool
+    ) -> torch.Tensor:
+        """Attention of a step of several tokens per row: RoPE + cache write, then attention over the cache."""
+        cfg, eng, k, T = self.cfg, self.eng, self.k, self.T
         q = k.rope_store(qkv, k_cache, v_cache, self.positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads,
                          cfg.head_dim, T, interleaved)  # fmt: skip
         if T <= FUSED_ATTENTION_MAX_TOKENS:
