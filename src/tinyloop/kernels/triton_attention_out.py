@@ -54,14 +54,12 @@ def _attention_out_kernel(
     offs_i = tl.arange(0, WORDS)
     zero_rows = (rows * 0)[:, None, None]
     part = tl.zeros((BLOCK_N, HEAD_BLOCKS, WORDS), tl.float32)
-    osum = tl.zeros((BLOCK_N, HEAD_BLOCKS, WORDS), tl.float32)
     for j in tl.static_range(8):
         cols = zero_rows + (tl.arange(0, HEAD_BLOCKS) * BLOCK + WORDS * j)[None, :, None] + offs_i[None, None, :]
-        oj = tl.load(mine + cols)
-        osum += oj
-        part += _blocked_f(words, j) * oj
-    o_sum = tl.sum(osum, axis=2)
-    y = tl.sum(s * (16.0 * (tl.sum(part, axis=2) - o_sum)) + mn * o_sum, axis=1)  # [BLOCK_N]
+        part += _blocked_f(words, j) * tl.load(mine + cols)
+    # per block: sum_k o_k q_k = 16 (sum_k o_k (1 + q_k / 16) - sum_k o_k), then scale and minimum
+    o_sum = tl.sum(tl.load(mine + tl.arange(0, HEAD_BLOCKS)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]), axis=1)
+    y = tl.sum(s * (16.0 * (tl.sum(part, axis=2) - o_sum[None, :])) + mn * o_sum[None, :], axis=1)  # [BLOCK_N]
     offs_n = tl.arange(0, BLOCK_N)
     first = (b * n_tiles + t) * N_HEADS
     tl.store(part_ptr + (first + h) * BLOCK_N + offs_n, y)
