@@ -15,12 +15,12 @@ from tinyloop.kernels.policy import ACT_NONE, ACT_SWIGLU, KernelPolicy
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "tinyloop"
 
-# Switch -> (field, value with the variable set), for the switches that need no GPU support.
-PLAIN_SWITCHES = {
-    "TINYLOOP_DISABLE_CUBLAS_FP16": ("cublas_16bit", False),
-    "TINYLOOP_DISABLE_FLASH2_PREFILL": ("sdpa_math_only", True),
-    "TINYLOOP_USE_CUDNN_SDPA": ("sdpa_cudnn", True),
-    "TINYLOOP_PERSISTENT_DECODE": ("persistent_decode", True),
+# Switch -> the fields it sets and their values with the variable set, for the switches that need no GPU support.
+PLAIN_SWITCHES: dict[str, dict[str, object]] = {
+    "TINYLOOP_DISABLE_CUBLAS_FP16": {"cublas_16bit": False},
+    "TINYLOOP_DISABLE_FLASH2_PREFILL": {"sdpa_math_only": True},
+    "TINYLOOP_USE_CUDNN_SDPA": {"sdpa_cudnn": True},
+    "TINYLOOP_PERSISTENT_DECODE": {"persistent_decode": True, "attention_out_max_rows": 1},
 }
 # Switches of kernels the GPU must support: on where supported, off where the variable says so.
 GPU_SWITCHES = {
@@ -46,11 +46,11 @@ def test_defaults_without_a_gpu_are_the_plain_policy(clean_env: pytest.MonkeyPat
 
 @pytest.mark.parametrize("name", sorted(PLAIN_SWITCHES))
 def test_each_plain_switch_is_read(name: str, clean_env: pytest.MonkeyPatch) -> None:
-    field, value = PLAIN_SWITCHES[name]
     clean_env.setenv(name, "1")
     policy = cuda_backend.kernel_policy(RuntimeEnv.read())
-    assert getattr(policy, field) == value
-    assert dataclasses.replace(policy, **{field: getattr(KernelPolicy(), field)}) == KernelPolicy()
+    assert {field: getattr(policy, field) for field in PLAIN_SWITCHES[name]} == PLAIN_SWITCHES[name]
+    defaults = {field: getattr(KernelPolicy(), field) for field in PLAIN_SWITCHES[name]}
+    assert dataclasses.replace(policy, **defaults) == KernelPolicy()
 
 
 @pytest.mark.parametrize("name", sorted(GPU_SWITCHES))

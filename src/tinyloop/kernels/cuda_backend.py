@@ -55,6 +55,7 @@ def kernel_policy(env: RuntimeEnv) -> KernelPolicy:
         sdpa_math_only=env.disable_flash2_prefill,
         sdpa_cudnn=env.use_cudnn_sdpa,
         persistent_decode=triton_ok and env.persistent_decode,
+        attention_out_max_rows=1 if triton_ok and env.persistent_decode else 0,
         tinygemm=not env.disable_tinygemm and tinygemm_supported(),
         mma_int4=triton_ok and not env.disable_mma_int4 and mma_int4_supported(),
         mma_int4_wgmma=triton_ok and not env.disable_mma_int4 and mma_int4_wgmma_supported(),

@@ -158,9 +158,10 @@ class KernelPolicy:
     split_attention_programs: int = 1024
     split_attention_max_splits: int = 16
     split_attention_min_head_dim: int = 128
-    # One-token attention fused with the INT4 output projection (kernels/attention_out.py) for steps of up to
-    # `attention_out_max_rows` rows (0: never) attending to fewer than `long_cache_keys` keys: a program per (head,
-    # `attention_out_tile`'s output rows) attends over its head's whole cache in blocks of that tile's keys (warps).
+    # One-token attention fused with the INT4 output projection (kernels/attention_out.py; one row with
+    # TINYLOOP_PERSISTENT_DECODE=1) for steps of up to `attention_out_max_rows` rows (0: never) attending to fewer
+    # than `long_cache_keys` keys: a program per (head, `attention_out_tile`'s output rows) attends over its head's
+    # whole cache in blocks of that tile's keys (warps).
     attention_out_max_rows: int = 0
     attention_out_tile: tuple[int, int, int] = (64, 256, 4)
     # RoPE + cache write: rows per program.
