@@ -31,6 +31,7 @@ import triton
 from cuda_timing import graph_us
 
 from tinyloop.kernels import cuda_ops
+from tinyloop.kernels.one_token import OneTokenAttention
 from tinyloop.kernels.policy import KernelPolicy
 from tinyloop.model.layers import apply_rope, rope_tables
 from tinyloop.presets import preset
@@ -127,18 +128,19 @@ def measure(rows: int, positions: int, shape: Shape, variants: list[tuple[int, i
         "rows": rows, "positions": positions, "kv_MB": nbytes / 1e6, "copies": copies, "calls_per_graph": calls,
         "streamed_MB": copies * nbytes / 1e6, "policy": list(chosen), "variants": [],
     }  # fmt: skip
+    interleaved = shape.pairing == "interleaved"
     for tile in dict.fromkeys([*variants, chosen]):
         res: dict[str, Any] = {"splits": tile[0], "block": tile[1], "warps": tile[2], "policy": tile == chosen}
         try:
             ops = cuda_ops.CudaKernels(with_tile(base, rows, H, hd, tile))
-            got = ops.rope_attention(qkv, k[0], v[0], pos, cos, sin, H, KVH, hd, shape.pairing == "interleaved")
+            got = ops.rope_attention(qkv, OneTokenAttention(k[0], v[0], pos, cos, sin, H, KVH, hd, interleaved))
             res["max_abs_err"] = float((got.float() - ref).abs().max())
             res["matches_reference"] = res["max_abs_err"] <= TOLERANCE[shape.dtype]
             turn = iter(range(1 << 62))
 
             def call(ops: Any = ops, turn: Any = turn) -> torch.Tensor:
                 i = next(turn) % copies
-                return ops.rope_attention(qkv, k[i], v[i], pos, cos, sin, H, KVH, hd, shape.pairing == "interleaved")
+                return ops.rope_attention(qkv, OneTokenAttention(k[i], v[i], pos, cos, sin, H, KVH, hd, interleaved))
 
             us = eager_us(call, 2) if args.smoke else graph_us(call, calls, args.repeat)
             res.update(us=us, GBps=nbytes / us / 1e3, timing="eager (interpreter)" if args.smoke else "graph")

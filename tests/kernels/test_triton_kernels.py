@@ -10,6 +10,7 @@ from helpers import frob_rel_error, interpreter_policy
 from naive_reference import _rope
 from tinyloop.config import ArchConfig
 from tinyloop.kernels import cuda_ops
+from tinyloop.kernels.one_token import OneTokenAttention
 from tinyloop.model.layers import apply_rope, rope_tables
 from tinyloop.quant import BlockedInt4Weight, CudaTinygemmWeight, Int4Weight, quantize_int4, tinygemm_scales_zeros
 
@@ -129,10 +130,12 @@ def test_one_token_rope_attention_matches_float64_with_live_splits(pairing: str,
     ops = cuda_ops.CudaKernels(policy)  # type: ignore[arg-type]
     k_cache, v_cache = (c.clone() for c in caches)
     interleaved = pairing == "interleaved"
-    out = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, interleaved)
+    out = ops.rope_attention(qkv, OneTokenAttention(k_cache, v_cache, pos, cos, sin, H, KVH, hd, interleaved))
     assert frob_rel_error(out, ref) <= 1e-6
     assert frob_rel_error(k_cache, k_ref) <= 1e-7 and torch.equal(v_cache.double(), v_ref)
-    assert torch.equal(ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, interleaved), out)
+    assert torch.equal(
+        ops.rope_attention(qkv, OneTokenAttention(k_cache, v_cache, pos, cos, sin, H, KVH, hd, interleaved)), out
+    )
     if splits > 1:
         assert not bool(cuda_ops._split_scratch(qkv.device, B * H, splits, hd)[1].any())
 
@@ -385,12 +388,16 @@ def test_one_token_rope_attention_equals_two_kernels(
     _, cos, sin, qkv, (k_cache, v_cache) = one_token_problem(pairing, B)
     k2, v2 = k_cache.clone(), v_cache.clone()
     pos = torch.tensor([0, 7, 260])
-    out = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, pairing == "interleaved")
+    out = ops.rope_attention(
+        qkv, OneTokenAttention(k_cache, v_cache, pos, cos, sin, H, KVH, hd, pairing == "interleaved")
+    )
     q = ops.rope_store(qkv, k2, v2, pos, cos, sin, H, KVH, hd, 1, pairing == "interleaved")
     ref = ops.cached_attention(q, k2, v2, pos, 1)
     assert torch.allclose(k_cache, k2, atol=1e-6) and torch.equal(v_cache, v2)
     assert frob_rel_error(out, ref.double()) <= 1e-6
-    again = ops.rope_attention(qkv, k_cache, v_cache, pos, cos, sin, H, KVH, hd, pairing == "interleaved")
+    again = ops.rope_attention(
+        qkv, OneTokenAttention(k_cache, v_cache, pos, cos, sin, H, KVH, hd, pairing == "interleaved")
+    )
     assert torch.equal(again, out)
     if split is not None:
         counts = cuda_ops._split_scratch(qkv.device, B * H, split[0], hd)[1]
@@ -424,16 +431,16 @@ def test_attention_out_matches_float64_and_the_two_launches(group: int, tile: tu
     k_cache, v_cache = (c.clone() for c in caches)
     tiles = -(-N // tile[1])
     attention_out._scratch(qkv.device, B, H, tiles, hd, tile[1])[1].fill_(float("nan"))
-    args = (k_cache, v_cache, pos, cos, sin, H, KVH, hd, False, weight, res)
-    out = ops.attention_out(qkv, *args)
+    attn = OneTokenAttention(k_cache, v_cache, pos, cos, sin, H, KVH, hd, False)
+    out = ops.attention_out(qkv, attn, weight, res)
     assert frob_rel_error(out, ref) <= 1e-6
     assert frob_rel_error(k_cache, k_ref) <= 1e-7 and torch.equal(v_cache.double(), v_ref)
     k2, v2 = (c.clone() for c in caches)
-    heads = ops.rope_attention(qkv, k2, v2, pos, cos, sin, H, KVH, hd, False)
+    heads = ops.rope_attention(qkv, OneTokenAttention(k2, v2, pos, cos, sin, H, KVH, hd, False))
     two_launches = ops.fused_linear(heads, weight, **({} if res is None else {"residual": res}))
     assert torch.equal(k_cache, k2) and torch.equal(v_cache, v2)
     assert frob_rel_error(out, two_launches) <= 1e-6
-    assert torch.equal(ops.attention_out(qkv, *args), out)
+    assert torch.equal(ops.attention_out(qkv, attn, weight, res), out)
     assert not bool(attention_out._scratch(qkv.device, B, H, tiles, hd, tile[1])[2].any())
 
 
@@ -468,7 +475,7 @@ def test_narrow_heads_are_not_split(monkeypatch: pytest.MonkeyPatch) -> None:
     caches = torch.randn(B, H, S, hd, generator=gen), torch.randn(B, H, S, hd, generator=gen)
     pos = torch.tensor([5, 33])
     whole = cuda_ops.CudaKernels(interpreter_policy(rope_attention_tiles={(B, H, hd): (1, 128, 4)})).rope_attention(  # type: ignore[arg-type]
-        qkv, *(c.clone() for c in caches), pos, cos, sin, H, H, hd, False
+        qkv, OneTokenAttention(*(c.clone() for c in caches), pos, cos, sin, H, H, hd, False)
     )
 
     def no_scratch(*args: object) -> None:
@@ -476,4 +483,6 @@ def test_narrow_heads_are_not_split(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(cuda_ops, "_split_scratch", no_scratch)
     assert POLICY.rope_attention_tile(B, H, 128)[0] > 1 and hd < POLICY.split_attention_min_head_dim
-    assert torch.equal(ops.rope_attention(qkv, *(c.clone() for c in caches), pos, cos, sin, H, H, hd, False), whole)
+    assert torch.equal(
+        ops.rope_attention(qkv, OneTokenAttention(*(c.clone() for c in caches), pos, cos, sin, H, H, hd, False)), whole
+    )

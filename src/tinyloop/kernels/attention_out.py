@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from tinyloop.kernels.one_token import OneTokenAttention
 from tinyloop.kernels.policy import KernelPolicy
 from tinyloop.kernels.triton_attention_out import _attention_out_kernel
 from tinyloop.quant import BlockedInt4Weight
@@ -48,22 +49,14 @@ def _scratch(device: torch.device, rows: int, n_heads: int, tiles: int, head_dim
 def attention_out(
     policy: KernelPolicy,
     qkv: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    interleaved: bool,
+    attn: OneTokenAttention,
     out_weight: object,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`rope_attention` then `out_weight`'s product (+ residual, which is not overwritten) in one launch, where
     `attention_out_applies`: qkv [B, (H + 2 KVH) hd], positions [B] -> [B, d_model]."""
     assert isinstance(out_weight, BlockedInt4Weight)
-    rows = qkv.shape[0]
+    rows, n_heads, head_dim, k_cache = qkv.shape[0], attn.n_heads, attn.head_dim, attn.k_cache
     d_model, k_total = out_weight.shape
     keys_per_block, block_n, warps = policy.attention_out_tile
     tiles = triton.cdiv(d_model, block_n)
@@ -71,12 +64,12 @@ def attention_out(
     res = residual if residual is not None else out
     heads, part, count = _scratch(qkv.device, rows, n_heads, tiles, head_dim, block_n)
     _attention_out_kernel[(n_heads, tiles, rows)](
-        qkv, k_cache, v_cache, positions, cos, sin, out_weight.packed.view(torch.int32), out_weight.scale,
-        out_weight.minimum, heads, part, count, out, res, head_dim**-0.5, d_model, qkv.stride(0), k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), k_total // 8, k_total // out_weight.group_size, out.stride(0),
-        res.stride(0), N_HEADS=n_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, INTERLEAVED=interleaved,
-        BLOCK_S=keys_per_block, GROUP=out_weight.group_size, BLOCK=out_weight.block, BLOCK_N=block_n,
-        HEADS_P2=triton.next_power_of_2(n_heads), RESIDUAL=residual is not None, num_warps=warps,
+        qkv, k_cache, attn.v_cache, attn.positions, attn.cos, attn.sin, out_weight.packed.view(torch.int32),
+        out_weight.scale, out_weight.minimum, heads, part, count, out, res, head_dim**-0.5, d_model, qkv.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_total // 8, k_total // out_weight.group_size,
+        out.stride(0), res.stride(0), N_HEADS=n_heads, N_KV=attn.n_kv_heads, HEAD_DIM=head_dim,
+        INTERLEAVED=attn.interleaved, BLOCK_S=keys_per_block, GROUP=out_weight.group_size, BLOCK=out_weight.block,
+        BLOCK_N=block_n, HEADS_P2=triton.next_power_of_2(n_heads), RESIDUAL=residual is not None, num_warps=warps,
         **policy.pdl_options(),
     )  # fmt: skip
     return out

@@ -17,6 +17,7 @@ import triton
 
 from tinyloop.kernels import attention_out, gluon_int4_mma, persistent_mlp
 from tinyloop.kernels.dispatch import Weight
+from tinyloop.kernels.one_token import OneTokenAttention
 from tinyloop.kernels.policy import ACT_GELU, ACT_NONE, ACT_SWIGLU, KernelPolicy
 from tinyloop.kernels.triton_attention import _cached_attention_kernel, _rope_attention_kernel, _rope_store_kernel
 from tinyloop.kernels.triton_elementwise import _add_kernel, _swiglu_kernel
@@ -509,15 +510,7 @@ def _split_scratch(device: torch.device, programs: int, splits: int, head_dim: i
 def rope_attention(
     policy: KernelPolicy,
     qkv: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    n_heads: int,
-    n_kv_heads: int,
-    head_dim: int,
-    interleaved: bool,
+    attn: OneTokenAttention,
     *,
     long_cache: bool = False,
 ) -> torch.Tensor:
@@ -525,16 +518,16 @@ def rope_attention(
     positions [B] -> [B, H * hd]; the new key and value are written into the cache at `positions`. The keys of
     each (row, head) are split among `policy.rope_attention_tile`'s programs (`long_cache`: some row attends to
     `policy.long_cache_keys` keys or more)."""
-    rows = qkv.shape[0]
+    rows, n_heads, head_dim, k_cache = qkv.shape[0], attn.n_heads, attn.head_dim, attn.k_cache
     out = torch.empty((rows, n_heads * head_dim), dtype=qkv.dtype, device=qkv.device)
     splits, block, warps = policy.rope_attention_tile(rows, n_heads, head_dim, long_cache)
     part = count = out
     if splits > 1:
         part, count = _split_scratch(qkv.device, rows * n_heads, splits, head_dim)
     _rope_attention_kernel[(rows, n_heads, splits)](
-        qkv, k_cache, v_cache, positions, cos, sin, out, part, count, head_dim**-0.5, qkv.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        N_HEADS=n_heads, N_KV=n_kv_heads, HEAD_DIM=head_dim, INTERLEAVED=interleaved, BLOCK_S=block,
+        qkv, k_cache, attn.v_cache, attn.positions, attn.cos, attn.sin, out, part, count, head_dim**-0.5,
+        qkv.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        N_HEADS=n_heads, N_KV=attn.n_kv_heads, HEAD_DIM=head_dim, INTERLEAVED=attn.interleaved, BLOCK_S=block,
         SPLITS=splits, num_warps=warps, **policy.pdl_options(),
     )  # fmt: skip
     return out
@@ -580,16 +573,18 @@ class CudaKernels:
     def cached_attention(self, q: torch.Tensor, *args: Any) -> torch.Tensor:
         return cached_attention(self.policy, q, *args)
 
-    def rope_attention(self, qkv: torch.Tensor, *args: Any, long_cache: bool = False) -> torch.Tensor:
-        return rope_attention(self.policy, qkv, *args, long_cache=long_cache)
+    def rope_attention(self, qkv: torch.Tensor, attn: OneTokenAttention, *, long_cache: bool = False) -> torch.Tensor:
+        return rope_attention(self.policy, qkv, attn, long_cache=long_cache)
 
     def attention_out_applies(
         self, rows: int, out_weight: object, n_heads: int, head_dim: int, long_cache: bool
     ) -> bool:
         return attention_out.attention_out_applies(self.policy, rows, out_weight, n_heads, head_dim, long_cache)
 
-    def attention_out(self, qkv: torch.Tensor, *args: Any) -> torch.Tensor:
-        return attention_out.attention_out(self.policy, qkv, *args)
+    def attention_out(
+        self, qkv: torch.Tensor, attn: OneTokenAttention, out_weight: object, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return attention_out.attention_out(self.policy, qkv, attn, out_weight, residual)
 
     def int4_rows(self, ids: torch.Tensor, w: Int4Weight, dtype: torch.dtype) -> torch.Tensor:
         return int4_rows(self.policy, ids, w, dtype)

@@ -26,6 +26,7 @@ from tinyloop.kernels import cuda_ops, gluon_int4_mma, l2_residency
 from tinyloop.kernels.attention_backend import sdpa
 from tinyloop.kernels.cuda_ops import CudaKernels, ProductWeight, dequantize_int4
 from tinyloop.kernels.dispatch import Weight, embedding
+from tinyloop.kernels.one_token import OneTokenAttention
 from tinyloop.log import detail, info
 from tinyloop.model.layers import position_mask
 from tinyloop.model.looped import ForwardOutput, run
@@ -476,11 +477,11 @@ class _FusedOps:
         interleaved = cfg.rope_pairing == "interleaved"
         if self.T == 1 and ROPE_ATTENTION_ONE_KERNEL:
             out_weight = self._w(lw.out)
+            attn = OneTokenAttention(k_cache, v_cache, self.positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads,
+                                     cfg.head_dim, interleaved)  # fmt: skip
             if k.attention_out_applies(self.B, out_weight, cfg.n_heads, cfg.head_dim, self.long_cache):
-                return k.attention_out(qkv, k_cache, v_cache, self.positions, eng.cos, eng.sin, cfg.n_heads,
-                                       cfg.n_kv_heads, cfg.head_dim, interleaved, out_weight, residual)  # fmt: skip
-            heads = k.rope_attention(qkv, k_cache, v_cache, self.positions, eng.cos, eng.sin, cfg.n_heads,
-                                     cfg.n_kv_heads, cfg.head_dim, interleaved, long_cache=self.long_cache)  # fmt: skip
+                return k.attention_out(qkv, attn, out_weight, residual)
+            heads = k.rope_attention(qkv, attn, long_cache=self.long_cache)
         else:
             heads = self._prompt_attention(qkv, k_cache, v_cache, interleaved)
         return self.project(heads, lw.out, residual)
