@@ -424,14 +424,14 @@ def test_attention_out_matches_float64_and_the_two_launches(group: int, tile: tu
     ref = heads64 @ plain.dequantize(torch.float64).T + (0 if res is None else res.double())
     policy = interpreter_policy(attention_out_max_rows=B, attention_out_tile=tile)
     ops = cuda_ops.CudaKernels(policy)  # type: ignore[arg-type]
-    assert ops.attention_out_applies(B, weight, H, hd, False)
-    assert not ops.attention_out_applies(B, weight, H, hd, True)  # long caches keep the split attention
-    assert not ops.attention_out_applies(B + 1, weight, H, hd, False)
-    assert not ops.attention_out_applies(B, plain, H, hd, False)
     k_cache, v_cache = (c.clone() for c in caches)
+    attn = OneTokenAttention(k_cache, v_cache, pos, cos, sin, H, KVH, hd, False)
+    assert ops.attention_out_applies(B, attn, weight, False)
+    assert not ops.attention_out_applies(B, attn, weight, True)  # long caches keep the split attention
+    assert not ops.attention_out_applies(B + 1, attn, weight, False)
+    assert not ops.attention_out_applies(B, attn, plain, False)
     tiles = -(-N // tile[1])
     attention_out._scratch(qkv.device, B, H, tiles, hd, tile[1])[1].fill_(float("nan"))
-    attn = OneTokenAttention(k_cache, v_cache, pos, cos, sin, H, KVH, hd, False)
     out = ops.attention_out(qkv, attn, weight, res)
     assert frob_rel_error(out, ref) <= 1e-6
     assert frob_rel_error(k_cache, k_ref) <= 1e-7 and torch.equal(v_cache.double(), v_ref)

@@ -17,19 +17,19 @@ _SCRATCH: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def attention_out_applies(
-    policy: KernelPolicy, rows: int, out_weight: object, n_heads: int, head_dim: int, long_cache: bool
+    policy: KernelPolicy, rows: int, attn: OneTokenAttention, out_weight: object, long_cache: bool
 ) -> bool:
     """Whether the policy fuses this one-token step's attention with its output projection: on for `rows` rows
     (`attention_out_max_rows`), a cache shorter than `long_cache_keys` (each program attends over its head's
     whole cache), and the projection in the blocked INT4 layout with whole blocks per head."""
     if not (isinstance(out_weight, BlockedInt4Weight) and 1 <= rows <= policy.attention_out_max_rows):
         return False
-    blocks = head_dim // out_weight.block
+    blocks = attn.head_dim // out_weight.block
     return (
         not long_cache
-        and head_dim % out_weight.block == 0
+        and attn.head_dim % out_weight.block == 0
         and blocks & (blocks - 1) == 0
-        and out_weight.shape[1] == n_heads * head_dim
+        and out_weight.shape[1] == attn.n_heads * attn.head_dim
     )
 
 

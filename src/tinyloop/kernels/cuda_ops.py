@@ -576,10 +576,8 @@ class CudaKernels:
     def rope_attention(self, qkv: torch.Tensor, attn: OneTokenAttention, *, long_cache: bool = False) -> torch.Tensor:
         return rope_attention(self.policy, qkv, attn, long_cache=long_cache)
 
-    def attention_out_applies(
-        self, rows: int, out_weight: object, n_heads: int, head_dim: int, long_cache: bool
-    ) -> bool:
-        return attention_out.attention_out_applies(self.policy, rows, out_weight, n_heads, head_dim, long_cache)
+    def attention_out_applies(self, rows: int, attn: OneTokenAttention, out_weight: object, long_cache: bool) -> bool:
+        return attention_out.attention_out_applies(self.policy, rows, attn, out_weight, long_cache)
 
     def attention_out(
         self, qkv: torch.Tensor, attn: OneTokenAttention, out_weight: object, residual: torch.Tensor | None = None

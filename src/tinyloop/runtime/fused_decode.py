@@ -479,7 +479,7 @@ class _FusedOps:
             out_weight = self._w(lw.out)
             attn = OneTokenAttention(k_cache, v_cache, self.positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads,
                                      cfg.head_dim, interleaved)  # fmt: skip
-            if k.attention_out_applies(self.B, out_weight, cfg.n_heads, cfg.head_dim, self.long_cache):
+            if k.attention_out_applies(self.B, attn, out_weight, self.long_cache):
                 return k.attention_out(qkv, attn, out_weight, residual)
             heads = k.rope_attention(qkv, attn, long_cache=self.long_cache)
         else:
