@@ -294,10 +294,10 @@ def test_batched_decode_steps_take_the_cpu_fast_path(models, monkeypatch) -> Non
     handled: list[int] = []
     decode = decoder.decode
 
-    def counting(tokens, *args, **kwargs):  # type: ignore[no-untyped-def]
-        out = decode(tokens, *args, **kwargs)
-        if tokens.shape[1] == 1:  # a decode step (prefills have the prompt's length)
-            handled.append(tokens.shape[0] if out is not None else -1)
+    def counting(step, cache):  # type: ignore[no-untyped-def]
+        out = decode(step, cache)
+        if step.tokens.shape[1] == 1:  # a decode step (prefills have the prompt's length)
+            handled.append(step.tokens.shape[0] if out is not None else -1)
         return out
 
     monkeypatch.setattr(decoder, "decode", counting)

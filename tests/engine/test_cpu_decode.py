@@ -18,6 +18,7 @@ from tinyloop.quant import quantize_int4
 from tinyloop.runtime import cpu_decode
 from tinyloop.runtime import engine as engine_module
 from tinyloop.runtime.cpu_decode import CpuDecoder
+from tinyloop.runtime.decode_path import StepInput
 from tinyloop.runtime.engine import Engine
 
 TOL = 1e-5
@@ -235,16 +236,25 @@ def test_declines_what_it_does_not_handle() -> None:
     assert decoder is not None
     cache = fast.new_cache(2, 16, 2)
     at_end = torch.zeros(2, dtype=torch.long)
-    assert decoder.decode(torch.tensor([[1, 2], [3, 4]]), cache, 2, None, True, at_end, None, 0) is None  # 2 tokens
+
+    def step(
+        tokens: list[list[int]] | torch.Tensor,
+        start: torch.Tensor,
+        valid: torch.Tensor | None = None,
+        resume: tuple[torch.Tensor, torch.Tensor] | None = None,
+        start_loop: int = 0,
+    ) -> StepInput:
+        return StepInput(torch.as_tensor(tokens), 2, start, valid, True, resume, start_loop)
+
+    assert decoder.decode(step([[1, 2], [3, 4]], at_end), cache) is None  # 2 tokens
     long_prompt = torch.ones(1, cpu_decode.PREFILL_MAX_TOKENS + 1, dtype=torch.long)
-    assert decoder.decode(long_prompt, fast.new_cache(1, 300, 2), 2, None, True, at_end[:1], None, 0) is None
-    assert decoder.decode(torch.tensor([[1], [2]]), cache, 2, torch.tensor([1, 0]), True, at_end, None, 0) is None
-    assert decoder.decode(torch.tensor([[1]]), cache, 2, None, True, at_end[:1], None, 0) is None  # batch differs
+    assert decoder.decode(step(long_prompt, at_end[:1]), fast.new_cache(1, 300, 2)) is None
+    assert decoder.decode(step([[1], [2]], at_end, valid=torch.tensor([1, 0])), cache) is None
+    assert decoder.decode(step([[1]], at_end[:1]), cache) is None  # batch differs
     one = fast.new_cache(1, 16, 2)
-    past_end = torch.tensor([3])
-    assert decoder.decode(torch.tensor([[1, 2]]), one, 2, None, True, past_end, None, 0) is None  # a gap
+    assert decoder.decode(step([[1, 2]], torch.tensor([3])), one) is None  # a gap
     state = torch.ones(2, 1, cfg.d_model)
-    resumed_rows = decoder.decode(torch.tensor([[1], [2]]), cache, 2, None, True, at_end, (state, state), 1)
+    resumed_rows = decoder.decode(step([[1], [2]], at_end, resume=(state, state), start_loop=1), cache)
     assert resumed_rows is None  # resumed forwards: one row only
     narrow = DenseKVCache(cfg, 1, 16, 2, "cpu", torch.float32, storage_dtype=torch.float16)
     out = fast.step(torch.tensor([[1, 2, 3]]), narrow, 2)  # a float16 cache runs the generic path

@@ -17,6 +17,7 @@ from tinyloop.layout import model_specs
 from tinyloop.model.weights import ModelWeights
 from tinyloop.quant import CpuInt4Weight, Int4Weight, quantize_int4
 from tinyloop.runtime.cpu_decode import CpuDecoder
+from tinyloop.runtime.decode_path import StepInput
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.loader import prepare_weights
 
@@ -115,4 +116,5 @@ def test_verification_with_int4_matmuls_matches_naive(variant: str, vocab: int) 
     cache = fast.new_cache(1, 32, 5)
     state = torch.ones(1, rows, cfg.d_model)
     tokens = torch.ones(1, rows, dtype=torch.long)
-    assert decoder.decode(tokens, cache, 5, None, False, torch.zeros(1, dtype=torch.long), (state, state), 2) is None
+    resumed = StepInput(tokens, 5, torch.zeros(1, dtype=torch.long), resume=(state, state), start_loop=2)
+    assert decoder.decode(resumed, cache) is None

@@ -31,6 +31,7 @@ from tinyloop.model.looped import ForwardOutput, run
 from tinyloop.model.ops import gate_logit
 from tinyloop.model.weights import LayerWeights, ModelWeights, Norm
 from tinyloop.quant import CpuInt4Weight
+from tinyloop.runtime.decode_path import StepInput
 
 # Caches whose `update` is the plain positional write this decoder performs itself.
 _PLAIN_UPDATES = (KVCache.update, DenseKVCache.update)
@@ -410,23 +411,12 @@ class CpuDecoder:
         self._buffers.clear()
         self._views = weakref.WeakKeyDictionary()
 
-    def decode(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache | None,
-        loops: int,
-        valid: torch.Tensor | None,
-        last_only: bool,
-        start: torch.Tensor,
-        resume: tuple[torch.Tensor, torch.Tensor] | None,
-        start_loop: int,
-    ) -> ForwardOutput | None:
+    def decode(self, step: StepInput, cache: KVCache | None) -> ForwardOutput | None:
         """One new token per row appended after the cache, or one row's tokens at `start` (a prompt, or
         positions recomputed deeper from a resumed state: verification); everything else is declined."""
+        tokens, start, resume = step.tokens, step.start, step.resume
         B, T = tokens.shape
-        if cache is None or type(cache).update not in _PLAIN_UPDATES or cache.batch != B:
-            return None
-        if valid is not None and bool((valid.to("cpu") != T).any()):
+        if cache is None or type(cache).update not in _PLAIN_UPDATES or cache.batch != B or step.ragged():
             return None
         appended = bool((start == cache.lengths).all())
         one_token_rows = T == 1 and appended and resume is None
@@ -452,9 +442,9 @@ class CpuDecoder:
                 if one_token_rows or resume is not None:
                     self._buffers[B * T] = buf
             st = self._step(cache, B) if one_token_rows else self._prefill_step(cache, int(start[0]), T)
-            ops = _CpuOps(self, buf, st, cache, T, last_only)
+            ops = _CpuOps(self, buf, st, cache, T, step.last_only)
             flat_tokens = tokens.to("cpu", torch.long).view(B * T)
-            return run(ops, self.w, self.cfg, flat_tokens, loops, resume=resume, start_loop=start_loop)
+            return run(ops, self.w, self.cfg, flat_tokens, step.loops, resume=resume, start_loop=step.start_loop)
         finally:
             if single:
                 torch.set_num_threads(previous)

@@ -7,6 +7,7 @@ returning None, which runs the generic `forward`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -21,19 +22,28 @@ if TYPE_CHECKING:
     from tinyloop.kernels.l2_residency import L2Window
 
 
+@dataclass(frozen=True)
+class StepInput:
+    """What `Engine.step` asks of a decoder (see there), with `start` resolved: tokens [B, T] at positions
+    start[b].. ([B], CPU); valid[b] real tokens in row b (None: all T); with `resume` = (loop_state, prelude_out)
+    only iterations start_loop..loops-1, the coda and the head run."""
+
+    tokens: torch.Tensor
+    loops: int
+    start: torch.Tensor
+    valid: torch.Tensor | None = None
+    last_only: bool = False
+    resume: tuple[torch.Tensor, torch.Tensor] | None = None
+    start_loop: int = 0
+
+    def ragged(self) -> bool:
+        """Whether some row has fewer real tokens than the step's T (right-padded prompts)."""
+        return self.valid is not None and bool((self.valid.to("cpu") != self.tokens.shape[1]).any())
+
+
 class Decoder(Protocol):
-    def decode(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache | None,
-        loops: int,
-        valid: torch.Tensor | None,
-        last_only: bool,
-        start: torch.Tensor,
-        resume: tuple[torch.Tensor, torch.Tensor] | None,
-        start_loop: int,
-    ) -> ForwardOutput | None:
-        """`Engine.step`'s arguments, `start` ([B], CPU) already resolved; None = not handled.
+    def decode(self, step: StepInput, cache: KVCache | None) -> ForwardOutput | None:
+        """The step over `cache` (None: an uncached forward from position 0), or None = not handled.
 
         Must leave `cache.lengths` untouched: the engine updates it.
         """

@@ -19,7 +19,7 @@ from tinyloop.log import detail
 from tinyloop.model.layers import KVStore, StepContext, position_mask, rope_tables
 from tinyloop.model.looped import ForwardOutput, forward, state_noise_table
 from tinyloop.model.weights import ModelWeights
-from tinyloop.runtime.decode_path import Decoder
+from tinyloop.runtime.decode_path import Decoder, StepInput
 
 if TYPE_CHECKING:
     from tinyloop.kernels.l2_residency import L2Window
@@ -142,26 +142,17 @@ class Engine:
                 raise ModelClosedError()
             if depth is not None and bool((depth == loops).all()):
                 depth = None
-            return self._step(tokens, cache, loops, valid, last_only, collect_states, start, resume, start_loop, depth)
+            if start is None:
+                start = torch.zeros(tokens.shape[0], dtype=torch.long) if cache is None else cache.lengths
+            step = StepInput(tokens, loops, start.to("cpu", torch.long), valid, last_only, resume, start_loop)
+            return self._step(step, cache, collect_states, depth)
 
     def _step(
-        self,
-        tokens: torch.Tensor,
-        cache: StepCache | None,
-        loops: int,
-        valid: torch.Tensor | None,
-        last_only: bool,
-        collect_states: bool,
-        start: torch.Tensor | None,
-        resume: tuple[torch.Tensor, torch.Tensor] | None,
-        start_loop: int,
-        depth: torch.Tensor | None,
+        self, step: StepInput, cache: StepCache | None, collect_states: bool, depth: torch.Tensor | None
     ) -> ForwardOutput:
+        tokens, loops, start = step.tokens, step.loops, step.start
         B, T = tokens.shape
-        valid_cpu = torch.full((B,), T, dtype=torch.long) if valid is None else valid.to("cpu", torch.long)
-        if start is None:
-            start = torch.zeros(B, dtype=torch.long) if cache is None else cache.lengths
-        start = start.to("cpu", torch.long)
+        valid_cpu = torch.full((B,), T, dtype=torch.long) if step.valid is None else step.valid.to("cpu", torch.long)
         end = int((start + T).max())
         if cache is not None:
             if loops > cache.loops:
@@ -174,7 +165,7 @@ class Engine:
         dense = cache is None or (isinstance(cache, KVCache) and cache.k.dtype == self.dtype)
         if self.decoder is not None and dense and not collect_states and depth is None:
             kv = cache if isinstance(cache, KVCache) else None
-            handled = self.decoder.decode(tokens, kv, loops, valid, last_only, start, resume, start_loop)
+            handled = self.decoder.decode(step, kv)
             if handled is not None:
                 if cache is not None:
                     cache.lengths = torch.maximum(cache.lengths, start + valid_cpu)
@@ -185,12 +176,12 @@ class Engine:
         begin_step = getattr(cache, "begin_step", None)
         if begin_step is not None:  # the store lays out its own span (sliding-window ring)
             ctx.mask = begin_step(positions, start, valid_cpu)
-        last_index = (valid_cpu - 1).to(self.device) if last_only else None
+        last_index = (valid_cpu - 1).to(self.device) if step.last_only else None
         with cpu_threads_for(self.device, B * T):
             out = forward(
                 self.weights, self.cfg, tokens.to(self.device), ctx, loops,
                 dtype=self.dtype, noise=self.noise, last_index=last_index, collect_states=collect_states,
-                resume=resume, start_loop=start_loop, depth=None if depth is None else depth.to(self.device),
+                resume=step.resume, start_loop=step.start_loop, depth=None if depth is None else depth.to(self.device),
             )  # fmt: skip
         if cache is not None:
             cache.lengths = torch.maximum(cache.lengths, start + valid_cpu)

@@ -16,7 +16,7 @@ import os
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ from tinyloop.model.looped import ForwardOutput, run
 from tinyloop.model.ops import gate_logit
 from tinyloop.model.weights import LayerWeights, Norm
 from tinyloop.quant import CudaMmaInt4Weight, CudaTinygemmWeight, Int4Weight
-from tinyloop.runtime.decode_path import DecoderHost
+from tinyloop.runtime.decode_path import DecoderHost, StepInput
 from tinyloop.stochastic.weight import StochasticInt4Weight
 
 # Steps of up to this many tokens per row attend through the cached-attention kernel; longer steps
@@ -154,62 +154,54 @@ class FusedDecoder:
         plain = all(isinstance(m, (Int4Weight, torch.Tensor)) and not has_cross_iter_weight(m) for m in mats)
         return self.cfg.norm_kind == "rmsnorm" and plain
 
-    def decode(
-        self,
-        tokens: torch.Tensor,
-        cache: KVCache | None,
-        loops: int,
-        valid: torch.Tensor | None,
-        last_only: bool,
-        start: torch.Tensor,
-        resume: tuple[torch.Tensor, torch.Tensor] | None,
-        start_loop: int,
-    ) -> ForwardOutput | None:
+    def decode(self, step: StepInput, cache: KVCache | None) -> ForwardOutput | None:
         """Any step over the cache (appended, rewritten at `start`, resumed); without a cache an uncached
         forward from position 0 (scoring), run over a scratch cache kept for reuse."""
+        B, T = step.tokens.shape
         if cache is None:
-            if bool((start != 0).any()):
+            if bool((step.start != 0).any()):
                 return None
-            cache = self._scratch_cache(tokens.shape[0], tokens.shape[1], loops)
-        B, T = tokens.shape
+            cache = self._scratch_cache(B, T, step.loops)
         if not self.supported:
             return None
+        dev = self.engine.device
         # Right-padded rows (a batch of prompts): the padding writes K/V past each row's end, which nothing
         # reads, and the head takes each row's last real token. Such steps run eagerly.
-        ragged = valid is not None and bool((valid.to("cpu") != T).any())
+        ragged = step.ragged()
         last_index = None
-        if ragged and last_only:
-            assert valid is not None
-            last_index = (valid.to(self.engine.device, torch.long) - 1).clamp_(min=0)
-        begin = start.to("cpu", torch.long)
-        span = int((begin + T).max()) if bool((begin != 0).any()) else None
-        positions = (begin[:, None] + torch.arange(T)[None, :]).reshape(-1)
+        if ragged and step.last_only:
+            assert step.valid is not None
+            last_index = (step.valid.to(dev, torch.long) - 1).clamp_(min=0)
+        span = int((step.start + T).max()) if bool((step.start != 0).any()) else None
+        positions = (step.start[:, None] + torch.arange(T)[None, :]).reshape(-1)
         # Where the attention tile follows the cache's length, a graph on each side of the policy's threshold.
         long_cache = T == 1 and self.kernels.policy.attends_long_cache(B, int(positions.max()) + 1)
-        dev = self.engine.device
         if l2_residency.SHARE_OFF_DURING_PREFILL and self._rows_on_cublas(B, T):
             self._drop_share()
+        resume = step.resume
         if resume is not None:
             resume = (resume[0].to(dev, self.engine.dtype), resume[1].to(dev, self.engine.dtype))
         if not self.graphs_enabled or T > FUSED_ATTENTION_MAX_TOKENS or ragged:
             # Prefill-sized steps run eagerly: their launches are few against their work, and a continuous
             # batcher's prompt chunks come in ever new lengths, whose captures would evict the decode graphs.
-            return self._forward(tokens.to(dev), positions.to(dev), cache, loops, last_only, resume, start_loop,
-                                 last_index=last_index, span=span, long_cache=long_cache)  # fmt: skip
-        key = (B, T, loops, int(last_only), start_loop, int(resume is not None), int(long_cache), cache.k.data_ptr(),
-               *cache.k.shape)  # fmt: skip
+            on_device = replace(step, tokens=step.tokens.to(dev), resume=resume)
+            return self._forward(on_device, positions.to(dev), cache, last_index=last_index, span=span,
+                                 long_cache=long_cache)  # fmt: skip
+        key = (B, T, step.loops, int(step.last_only), step.start_loop, int(resume is not None), int(long_cache),
+               cache.k.data_ptr(), *cache.k.shape)  # fmt: skip
         entry = self._graphs.get(key)
         if entry is None:
+            on_device = replace(step, tokens=step.tokens.to(dev), resume=resume)
             if T > 1 and key not in self._seen:  # a multi-token shape seen once is not worth a graph yet
                 self._seen.add(key)
-                return self._forward(tokens.to(dev), positions.to(dev), cache, loops, last_only, resume, start_loop)
-            entry = self._capture(tokens, positions, cache, loops, last_only, resume, start_loop, long_cache)
+                return self._forward(on_device, positions.to(dev), cache)
+            entry = self._capture(on_device, positions, cache, long_cache)
             self._graphs[key] = entry
             if len(self._graphs) > MAX_GRAPHS:
                 self.graph_bytes -= self._graphs.popitem(last=False)[1].nbytes
         else:
             self._graphs.move_to_end(key)
-        entry.tokens.copy_(tokens, non_blocking=True)
+        entry.tokens.copy_(step.tokens, non_blocking=True)
         entry.positions.copy_(positions, non_blocking=True)
         if resume is not None and entry.resume is not None:
             entry.resume[0].copy_(resume[0])
@@ -327,25 +319,17 @@ class FusedDecoder:
         scratch.lengths = torch.zeros(batch, dtype=torch.long)
         return scratch
 
-    def _capture(
-        self,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        cache: KVCache,
-        loops: int,
-        last_only: bool,
-        resume: tuple[torch.Tensor, torch.Tensor] | None,
-        start_loop: int,
-        long_cache: bool,
-    ) -> _Graph:
+    def _capture(self, step: StepInput, positions: torch.Tensor, cache: KVCache, long_cache: bool) -> _Graph:
+        """A graph of `step` (its tensors on the device), whose replays read their tokens, positions and resumed
+        states from the static copies made here."""
         dev = self.engine.device
-        static_tokens = tokens.to(dev).clone()
+        resume = step.resume
+        static = replace(step, tokens=step.tokens.clone(),
+                         resume=None if resume is None else (resume[0].clone(), resume[1].clone()))  # fmt: skip
         static_positions = positions.to(dev).clone()
-        static_resume = None if resume is None else (resume[0].clone(), resume[1].clone())
 
         def forward() -> ForwardOutput:  # the warm-up and the capture run the very same step
-            return self._forward(static_tokens, static_positions, cache, loops, last_only, static_resume, start_loop,
-                                 long_cache=long_cache)  # fmt: skip
+            return self._forward(static, static_positions, cache, long_cache=long_cache)
 
         # Warm-up on a side stream (compiles the kernels); it writes the same K/V the replay will.
         side = torch.cuda.Stream(dev)
@@ -358,7 +342,8 @@ class FusedDecoder:
         graph = torch.cuda.CUDAGraph()
         before = torch.cuda.memory_allocated(dev)
         stream = self._capture_stream()
-        window = self._graph_window(tokens.shape[0], tokens.shape[1])
+        B, T = step.tokens.shape
+        window = self._graph_window(B, T)
         with l2_residency.window_during(stream, window) as no_window:
             if no_window is not None:
                 window = None
@@ -367,8 +352,8 @@ class FusedDecoder:
                 output = forward()
         nbytes = torch.cuda.memory_allocated(dev) - before
         self.graph_bytes += nbytes
-        detail(f"captured a CUDA graph: batch {tokens.shape[0]}, tokens {tokens.shape[1]}, loops {loops}")
-        return _Graph(graph, static_tokens, static_positions, output, static_resume, nbytes, window is not None)
+        detail(f"captured a CUDA graph: batch {B}, tokens {T}, loops {step.loops}")
+        return _Graph(graph, static.tokens, static_positions, output, static.resume, nbytes, window is not None)
 
     def _drop_share(self) -> None:
         """Before a step whose GEMMs want all of L2: no persisting share and no persisting lines."""
@@ -412,25 +397,22 @@ class FusedDecoder:
     # ---- the fused forward -------------------------------------------------------------------
     def _forward(
         self,
-        tokens: torch.Tensor,
+        step: StepInput,
         positions: torch.Tensor,
         cache: KVCache,
-        loops: int,
-        last_only: bool,
-        resume: tuple[torch.Tensor, torch.Tensor] | None = None,
-        start_loop: int = 0,
         *,
         last_index: torch.Tensor | None = None,
         span: int | None = None,
         long_cache: bool = False,
     ) -> ForwardOutput:
-        """The model's forward over `_FusedOps` (under graph capture: recorded once, replayed as kernels).
-        last_index ([B]): the token of each row the head reads (last_only; default the last); span: the
-        cache positions a prefill-sized step attends over when some row starts after position 0; long_cache: a
-        one-token step attends to the policy's long_cache_keys or more."""
-        ops = _FusedOps(self, cache, positions, tokens.shape[0], tokens.shape[1], last_only, last_index, span,
-                        long_cache)  # fmt: skip
-        return run(ops, self.engine.weights, self.cfg, tokens, loops, resume=resume, start_loop=start_loop)
+        """The model's forward of `step` (its tensors on the device) over `_FusedOps` (under graph capture:
+        recorded once, replayed as kernels). last_index ([B]): the token of each row the head reads (last_only;
+        default the last); span: the cache positions a prefill-sized step attends over when some row starts after
+        position 0; long_cache: a one-token step attends to the policy's long_cache_keys or more."""
+        B, T = step.tokens.shape
+        ops = _FusedOps(self, cache, positions, B, T, step.last_only, last_index, span, long_cache)
+        return run(ops, self.engine.weights, self.cfg, step.tokens, step.loops, resume=step.resume,
+                   start_loop=step.start_loop)  # fmt: skip
 
     def _gate_logit(self, s: torch.Tensor) -> torch.Tensor:
         """The exit gate's logit per row in float32: for decode-sized steps one matvec launch in the PDL
