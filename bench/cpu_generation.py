@@ -138,15 +138,14 @@ def step_ms(m: Model, prompt: list[int], draft: int, verify: int, draft_ahead: i
         x = torch.tensor([[prompt[-1]]])
         rows = torch.tensor([prompt[-draft_ahead - 1 :]])
         drafted = engine.step(rows, cache, draft)
-        assert drafted.loop_state is not None and drafted.prelude_out is not None
-        resume = (drafted.loop_state, drafted.prelude_out)
+        resume = drafted.resume_at(draft)
 
         def one(loops: int) -> None:
             cache.truncate(end)
             engine.step(x, cache, loops, last_only=True)
 
         def verify_pass() -> None:
-            engine.step(rows, cache, verify, start=torch.tensor([end]), resume=resume, start_loop=draft)
+            engine.step(rows, cache, verify, start=torch.tensor([end]), resume=resume)
 
         plain_ms, draft_ms = median_ms(lambda: one(verify)), median_ms(lambda: one(draft))
         cache.truncate(end)

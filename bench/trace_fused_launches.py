@@ -123,11 +123,7 @@ def record() -> dict[str, Any]:
             results.append(engine.step(tokens[:, :2], cache, 2))
             draft = engine.step(tokens[:, :1], cache, 1, last_only=True)
             results.append(draft)
-            assert draft.loop_state is not None and draft.prelude_out is not None
-            resume = (draft.loop_state, draft.prelude_out)
-            results.append(
-                engine.step(tokens[:, :1], cache, 3, start=torch.tensor([8, 8]), resume=resume, start_loop=1)
-            )
+            results.append(engine.step(tokens[:, :1], cache, 3, start=torch.tensor([8, 8]), resume=draft.resume_at(1)))
             results.append(engine.step(tokens[:1], None, 2))
         sums = [float(torch.as_tensor(r.logits).double().sum()) for r in results]
         gates = [[g.double().sum().item() for g in r.gates] for r in results]

@@ -57,7 +57,7 @@ def test_resumed_logits_equal_a_fresh_deep_run(mode: str) -> None:
     shallow_cache = make_cache(choice, engine.cfg, 1, 32, 8, engine.device, engine.dtype)
     shallow = engine.step(ids, shallow_cache, 4)
     deep = engine.step(ids, shallow_cache, 8, start=torch.tensor([0]),
-                       resume=(shallow.loop_state, shallow.prelude_out), start_loop=4)  # fmt: skip
+                       resume=shallow.resume_at(4))  # fmt: skip
     fresh = engine.step(ids, make_cache(choice, engine.cfg, 1, 32, 8, engine.device, engine.dtype), 8)
     assert max_rel_error(deep.logits[0], fresh.logits[0]) <= 1e-5
 

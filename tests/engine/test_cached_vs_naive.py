@@ -119,7 +119,7 @@ def test_resume_deeper_over_cached_positions_equals_fresh_deep_run(variant: str)
     assert shallow.loop_state is not None and shallow.prelude_out is not None
     deep = engine.step(
         torch.tensor([tokens]), cache, 5, start=torch.tensor([0]),
-        resume=(shallow.loop_state, shallow.prelude_out), start_loop=2,
+        resume=shallow.resume_at(2),
     )  # fmt: skip
     ref, _, _ = naive_forward(cfg, flat, tokens + [7], 5, engine.noise)
     assert max_rel_error(deep.logits[0], ref[: len(tokens)]) <= 1e-5

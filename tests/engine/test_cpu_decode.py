@@ -12,7 +12,7 @@ from tinyloop.cache.dense import DenseKVCache
 from tinyloop.cache.kv import KVCache
 from tinyloop.config import ArchConfig
 from tinyloop.kernels import cpu_onednn
-from tinyloop.model.looped import ForwardOutput
+from tinyloop.model.looped import ForwardOutput, Resume
 from tinyloop.model.weights import ModelWeights
 from tinyloop.quant import quantize_int4
 from tinyloop.runtime import cpu_decode
@@ -126,8 +126,8 @@ def draft_then_verify(
     cache = engine.new_cache(1, 32, 5)
     engine.step(torch.tensor([prompt]), cache, 5, last_only=True)
     shallow = [engine.step(torch.tensor([[t]]), cache, 2, last_only=True) for t in drafts]
-    resume = tuple(torch.cat([getattr(o, name) for o in shallow], dim=1) for name in ("loop_state", "prelude_out"))
-    step = dict(start=torch.tensor([len(prompt)]), resume=resume, start_loop=2)
+    state, prelude = (torch.cat([getattr(o, name) for o in shallow], dim=1) for name in ("loop_state", "prelude_out"))
+    step = dict(start=torch.tensor([len(prompt)]), resume=Resume(state, prelude, 2))
     if fast:
         return fast_step(engine, torch.tensor([drafts]), cache, 5, last_only=False, **step), cache
     return engine.step(torch.tensor([drafts]), cache, 5, **step), cache  # type: ignore[arg-type]
@@ -241,10 +241,9 @@ def test_declines_what_it_does_not_handle() -> None:
         tokens: list[list[int]] | torch.Tensor,
         start: torch.Tensor,
         valid: torch.Tensor | None = None,
-        resume: tuple[torch.Tensor, torch.Tensor] | None = None,
-        start_loop: int = 0,
+        resume: Resume | None = None,
     ) -> StepInput:
-        return StepInput(torch.as_tensor(tokens), 2, start, valid, True, resume, start_loop)
+        return StepInput(torch.as_tensor(tokens), 2, start, valid, True, resume)
 
     assert decoder.decode(step([[1, 2], [3, 4]], at_end), cache) is None  # 2 tokens
     long_prompt = torch.ones(1, cpu_decode.PREFILL_MAX_TOKENS + 1, dtype=torch.long)
@@ -254,7 +253,7 @@ def test_declines_what_it_does_not_handle() -> None:
     one = fast.new_cache(1, 16, 2)
     assert decoder.decode(step([[1, 2]], torch.tensor([3])), one) is None  # a gap
     state = torch.ones(2, 1, cfg.d_model)
-    resumed_rows = decoder.decode(step([[1], [2]], at_end, resume=(state, state), start_loop=1), cache)
+    resumed_rows = decoder.decode(step([[1], [2]], at_end, resume=Resume(state, state, 1)), cache)
     assert resumed_rows is None  # resumed forwards: one row only
     narrow = DenseKVCache(cfg, 1, 16, 2, "cpu", torch.float32, storage_dtype=torch.float16)
     out = fast.step(torch.tensor([[1, 2, 3]]), narrow, 2)  # a float16 cache runs the generic path

@@ -14,6 +14,7 @@ from shared_data import unavailable
 from tinyloop.config import ArchConfig
 from tinyloop.kernels import cpu_int4
 from tinyloop.layout import model_specs
+from tinyloop.model.looped import Resume
 from tinyloop.model.weights import ModelWeights
 from tinyloop.quant import CpuInt4Weight, Int4Weight, quantize_int4
 from tinyloop.runtime.cpu_decode import CpuDecoder
@@ -116,5 +117,5 @@ def test_verification_with_int4_matmuls_matches_naive(variant: str, vocab: int) 
     cache = fast.new_cache(1, 32, 5)
     state = torch.ones(1, rows, cfg.d_model)
     tokens = torch.ones(1, rows, dtype=torch.long)
-    resumed = StepInput(tokens, 5, torch.zeros(1, dtype=torch.long), resume=(state, state), start_loop=2)
+    resumed = StepInput(tokens, 5, torch.zeros(1, dtype=torch.long), resume=Resume(state, state, 2))
     assert decoder.decode(resumed, cache) is None

@@ -13,6 +13,7 @@ from tinyloop.config import ArchConfig
 from tinyloop.kernels import cuda_ops, gluon_int4_mma
 from tinyloop.kernels.cuda_ops import CudaKernels
 from tinyloop.kernels.policy import PersistentMlpTile
+from tinyloop.model.looped import Resume
 from tinyloop.model.weights import ModelWeights
 from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, Int4Weight, quantize_int4
 from tinyloop.runtime.engine import Engine
@@ -176,8 +177,8 @@ def test_fused_verification_step_resumes_like_generic() -> None:
             d = eng.step(drafts[:, i : i + 1], cache, 1, last_only=True)
             states.append(d.loop_state)
             preludes.append(d.prelude_out)
-        resume = (torch.cat(states, dim=1), torch.cat(preludes, dim=1))
-        out = eng.step(drafts, cache, 3, start=torch.tensor([5]), resume=resume, start_loop=1)
+        resume = Resume(torch.cat(states, dim=1), torch.cat(preludes, dim=1), 1)
+        out = eng.step(drafts, cache, 3, start=torch.tensor([5]), resume=resume)
         outs.append(out.logits)
         assert int(cache.lengths[0]) == 8
     assert max_rel_error(outs[0], outs[1]) <= 1e-4

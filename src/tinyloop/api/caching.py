@@ -15,6 +15,7 @@ from tinyloop.api.tokens import as_token_array
 from tinyloop.cache.base import ModeCache, copy_out
 from tinyloop.cache.factory import kv_bytes_per_token, make_cache
 from tinyloop.cache.pool import PrefixPool
+from tinyloop.model.looped import Resume
 from tinyloop.runtime.continuation import continue_tokens
 from tinyloop.runtime.stats import GenerationStats
 from tinyloop.sampling import SamplingParams
@@ -298,8 +299,9 @@ class CachingMixin(ModelBase):
                               top_p=top_p, seed=seed)  # fmt: skip
         ids = torch.from_numpy(handle.tokens.astype(np.int64))
         n = int(ids.numel())
-        kv, logits, state = handle.kv(), handle.last_logits(), handle.state()
+        kv, logits = handle.kv(), handle.last_logits()
         engine, start_loop = self._engine, handle.loops
+        resume = Resume(*handle.state(), start_loop)
 
         def first(working: ModeCache | None) -> torch.Tensor:
             if working is not None:
@@ -308,9 +310,8 @@ class CachingMixin(ModelBase):
             if n_loops == start_loop:
                 return logits
             out = engine.step(
-                ids[None], working, n_loops, start=torch.zeros(1, dtype=torch.long), resume=state,
-                start_loop=start_loop, last_only=True,
-            )  # fmt: skip
+                ids[None], working, n_loops, start=torch.zeros(1, dtype=torch.long), resume=resume, last_only=True
+            )
             assert out.logits is not None
             return out.logits[0, -1]
 

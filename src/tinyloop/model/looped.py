@@ -30,7 +30,7 @@ class ForwardOutput:
     (a resumed forward lists only the iterations it ran).
     gates (when the model has an exit gate): the gate's logit after each iteration run, [B, T].
     loop_state / prelude_out: the final loop state and the prelude output [B, T, d] (references, free),
-    which is what a later forward needs to resume deeper (`resume=`).
+    which is what a later forward needs to resume deeper (`resume_at`).
     """
 
     logits: torch.Tensor | None
@@ -38,6 +38,33 @@ class ForwardOutput:
     gates: list[torch.Tensor] = field(default_factory=list)
     loop_state: torch.Tensor | None = None
     prelude_out: torch.Tensor | None = None
+
+    def resume_at(self, loops: int) -> Resume:
+        """Where this forward, which ran `loops` iterations, leaves off for a deeper one."""
+        assert self.loop_state is not None and self.prelude_out is not None
+        return Resume(self.loop_state, self.prelude_out, loops)
+
+
+@dataclass(frozen=True)
+class Resume:
+    """The loop state and prelude output ([B, T, d]) of a forward that ran `start_loop` iterations over some
+    positions; a forward resumed from it runs iterations start_loop.., the coda and the head there."""
+
+    loop_state: torch.Tensor
+    prelude_out: torch.Tensor
+    start_loop: int
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> Resume:
+        return Resume(self.loop_state.to(device, dtype), self.prelude_out.to(device, dtype), self.start_loop)
+
+    def clone(self) -> Resume:
+        return Resume(self.loop_state.clone(), self.prelude_out.clone(), self.start_loop)
+
+    def copy_(self, other: Resume) -> None:
+        """Into these tensors (a captured graph's inputs), `other`'s values, resumed at the same iteration."""
+        assert other.start_loop == self.start_loop
+        self.loop_state.copy_(other.loop_state)
+        self.prelude_out.copy_(other.prelude_out)
 
 
 class IterationView:
@@ -148,23 +175,21 @@ def run(
     loops: int,
     *,
     collect_states: bool = False,
-    resume: tuple[torch.Tensor, torch.Tensor] | None = None,
-    start_loop: int = 0,
+    resume: Resume | None = None,
     on_iteration: IterationHook | None = None,
     depth: torch.Tensor | None = None,
 ) -> ForwardOutput:
     """The forward of tokens [B, T] at `loops` iterations over a backend; caches are the backend's.
 
-    resume=(loop_state, prelude_out) with start_loop=k continues a forward that already ran k iterations on
-    these positions: only iterations k..loops-1, the coda and the head run. `on_iteration` sees each
+    `resume` continues a forward that already ran resume.start_loop iterations on these positions: only the
+    iterations after those, the coda and the head run. `on_iteration` sees each
     iteration's state and may stop the loop, or some rows, early (IterationHook). depth ([B], on the
     device): per-row iterations (<= loops); a row past its depth keeps its state through the remaining
     iterations, whose K/V it writes to slots it never reads.
     """
     states: list[torch.Tensor] | None = [] if collect_states else None
+    start_loop = 0
     if resume is None:
-        if start_loop:
-            raise ValueError("start_loop needs resume=(loop_state, prelude_out)")
         x = ops.embed(tokens, cfg.embed_scale)
         if states is not None:
             states.append(ops.keep(x))
@@ -175,7 +200,8 @@ def run(
             states.append(p)
         s = start_state(ops, cfg, x)
     else:
-        s, p = ops.resume(*resume)
+        s, p = ops.resume(resume.loop_state, resume.prelude_out)
+        start_loop = resume.start_loop
     gates: list[torch.Tensor] = []
     view: IterationView | None = None
     stochastic = has_cross_iter(w)  # cross-iteration rounding draws each iteration's own looped weights
@@ -267,8 +293,7 @@ def forward(
     noise: torch.Tensor | None = None,
     last_index: torch.Tensor | None = None,
     collect_states: bool = False,
-    resume: tuple[torch.Tensor, torch.Tensor] | None = None,
-    start_loop: int = 0,
+    resume: Resume | None = None,
     on_iteration: IterationHook | None = None,
     depth: torch.Tensor | None = None,
 ) -> ForwardOutput:
@@ -278,8 +303,8 @@ def forward(
     runs on every position, since later tokens attend to its K/V.
     """
     ops = TorchOps(w, cfg, ctx, dtype, noise, last_index)
-    return run(ops, w, cfg, tokens, loops, collect_states=collect_states, resume=resume, start_loop=start_loop,
-               on_iteration=on_iteration, depth=depth)  # fmt: skip
+    return run(ops, w, cfg, tokens, loops, collect_states=collect_states, resume=resume, on_iteration=on_iteration,
+               depth=depth)  # fmt: skip
 
 
 def embed(w: ModelWeights, cfg: ArchConfig, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

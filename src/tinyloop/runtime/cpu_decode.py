@@ -444,7 +444,7 @@ class CpuDecoder:
             st = self._step(cache, B) if one_token_rows else self._prefill_step(cache, int(start[0]), T)
             ops = _CpuOps(self, buf, st, cache, T, step.last_only)
             flat_tokens = tokens.to("cpu", torch.long).view(B * T)
-            return run(ops, self.w, self.cfg, flat_tokens, step.loops, resume=resume, start_loop=step.start_loop)
+            return run(ops, self.w, self.cfg, flat_tokens, step.loops, resume=resume)
         finally:
             if single:
                 torch.set_num_threads(previous)

@@ -15,7 +15,7 @@ import torch
 from tinyloop.cache.kv import KVCache
 from tinyloop.config import ArchConfig
 from tinyloop.kernels.policy import KernelPolicy
-from tinyloop.model.looped import ForwardOutput
+from tinyloop.model.looped import ForwardOutput, Resume
 from tinyloop.model.weights import ModelWeights
 
 if TYPE_CHECKING:
@@ -25,16 +25,15 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class StepInput:
     """What `Engine.step` asks of a decoder (see there), with `start` resolved: tokens [B, T] at positions
-    start[b].. ([B], CPU); valid[b] real tokens in row b (None: all T); with `resume` = (loop_state, prelude_out)
-    only iterations start_loop..loops-1, the coda and the head run."""
+    start[b].. ([B], CPU); valid[b] real tokens in row b (None: all T); with `resume` only the iterations after
+    resume.start_loop, the coda and the head run."""
 
     tokens: torch.Tensor
     loops: int
     start: torch.Tensor
     valid: torch.Tensor | None = None
     last_only: bool = False
-    resume: tuple[torch.Tensor, torch.Tensor] | None = None
-    start_loop: int = 0
+    resume: Resume | None = None
 
     def ragged(self) -> bool:
         """Whether some row has fewer real tokens than the step's T (right-padded prompts)."""

@@ -17,7 +17,7 @@ from tinyloop.errors import ModelClosedError
 from tinyloop.kernels.policy import KernelPolicy
 from tinyloop.log import detail
 from tinyloop.model.layers import KVStore, StepContext, position_mask, rope_tables
-from tinyloop.model.looped import ForwardOutput, forward, state_noise_table
+from tinyloop.model.looped import ForwardOutput, Resume, forward, state_noise_table
 from tinyloop.model.weights import ModelWeights
 from tinyloop.runtime.decode_path import Decoder, StepInput
 
@@ -124,16 +124,15 @@ class Engine:
         last_only: bool = False,
         collect_states: bool = False,
         start: torch.Tensor | None = None,
-        resume: tuple[torch.Tensor, torch.Tensor] | None = None,
-        start_loop: int = 0,
+        resume: Resume | None = None,
         depth: torch.Tensor | None = None,
     ) -> ForwardOutput:
         """Run tokens [B, T] (right-padded; `valid[b]` real tokens in row b) through the model.
 
         By default the tokens are appended after what the cache holds (without a cache they are the
         whole sequence from position 0). `start` ([B]) places them at other positions instead, e.g. to
-        recompute positions already in the cache deeper: with resume=(loop_state, prelude_out) and
-        start_loop=k only iterations k..loops-1, the coda and the head run (warm start, verification).
+        recompute positions already in the cache deeper: from `resume` only the iterations after
+        resume.start_loop, the coda and the head run (warm start, verification).
         depth ([B]): per-row iterations, at most `loops` (rows past theirs keep their state; see `forward`).
         Thread-safe (steps are serialised); raises ModelClosedError once the engine is closed.
         """
@@ -144,7 +143,7 @@ class Engine:
                 depth = None
             if start is None:
                 start = torch.zeros(tokens.shape[0], dtype=torch.long) if cache is None else cache.lengths
-            step = StepInput(tokens, loops, start.to("cpu", torch.long), valid, last_only, resume, start_loop)
+            step = StepInput(tokens, loops, start.to("cpu", torch.long), valid, last_only, resume)
             return self._step(step, cache, collect_states, depth)
 
     def _step(
@@ -181,7 +180,7 @@ class Engine:
             out = forward(
                 self.weights, self.cfg, tokens.to(self.device), ctx, loops,
                 dtype=self.dtype, noise=self.noise, last_index=last_index, collect_states=collect_states,
-                resume=step.resume, start_loop=step.start_loop, depth=None if depth is None else depth.to(self.device),
+                resume=step.resume, depth=None if depth is None else depth.to(self.device),
             )  # fmt: skip
         if cache is not None:
             cache.lengths = torch.maximum(cache.lengths, start + valid_cpu)

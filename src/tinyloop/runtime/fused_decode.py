@@ -29,7 +29,7 @@ from tinyloop.kernels.dispatch import Weight, embedding
 from tinyloop.kernels.one_token import OneTokenAttention
 from tinyloop.log import detail, info
 from tinyloop.model.layers import position_mask
-from tinyloop.model.looped import ForwardOutput, run
+from tinyloop.model.looped import ForwardOutput, Resume, run
 from tinyloop.model.ops import gate_logit
 from tinyloop.model.weights import LayerWeights, Norm
 from tinyloop.quant import CudaMmaInt4Weight, CudaTinygemmWeight, Int4Weight
@@ -58,7 +58,7 @@ class _Graph:
     tokens: torch.Tensor
     positions: torch.Tensor
     output: ForwardOutput
-    resume: tuple[torch.Tensor, torch.Tensor] | None = None
+    resume: Resume | None = None
     nbytes: int = 0  # what the capture left allocated (counted in graph_bytes until evicted)
     windowed: bool = False  # captured with the engine's L2 window: replays make its lines persisting
 
@@ -178,17 +178,15 @@ class FusedDecoder:
         long_cache = T == 1 and self.kernels.policy.attends_long_cache(B, int(positions.max()) + 1)
         if l2_residency.SHARE_OFF_DURING_PREFILL and self._rows_on_cublas(B, T):
             self._drop_share()
-        resume = step.resume
-        if resume is not None:
-            resume = (resume[0].to(dev, self.engine.dtype), resume[1].to(dev, self.engine.dtype))
+        resume = None if step.resume is None else step.resume.to(dev, self.engine.dtype)
         if not self.graphs_enabled or T > FUSED_ATTENTION_MAX_TOKENS or ragged:
             # Prefill-sized steps run eagerly: their launches are few against their work, and a continuous
             # batcher's prompt chunks come in ever new lengths, whose captures would evict the decode graphs.
             on_device = replace(step, tokens=step.tokens.to(dev), resume=resume)
             return self._forward(on_device, positions.to(dev), cache, last_index=last_index, span=span,
                                  long_cache=long_cache)  # fmt: skip
-        key = (B, T, step.loops, int(step.last_only), step.start_loop, int(resume is not None), int(long_cache),
-               cache.k.data_ptr(), *cache.k.shape)  # fmt: skip
+        resumed_at = -1 if resume is None else resume.start_loop
+        key = (B, T, step.loops, int(step.last_only), resumed_at, int(long_cache), cache.k.data_ptr(), *cache.k.shape)
         entry = self._graphs.get(key)
         if entry is None:
             on_device = replace(step, tokens=step.tokens.to(dev), resume=resume)
@@ -204,8 +202,7 @@ class FusedDecoder:
         entry.tokens.copy_(step.tokens, non_blocking=True)
         entry.positions.copy_(positions, non_blocking=True)
         if resume is not None and entry.resume is not None:
-            entry.resume[0].copy_(resume[0])
-            entry.resume[1].copy_(resume[1])
+            entry.resume.copy_(resume)
         if entry.windowed and self._share_dropped:
             self._restore_share()
         entry.graph.replay()
@@ -323,9 +320,7 @@ class FusedDecoder:
         """A graph of `step` (its tensors on the device), whose replays read their tokens, positions and resumed
         states from the static copies made here."""
         dev = self.engine.device
-        resume = step.resume
-        static = replace(step, tokens=step.tokens.clone(),
-                         resume=None if resume is None else (resume[0].clone(), resume[1].clone()))  # fmt: skip
+        static = replace(step, tokens=step.tokens.clone(), resume=None if step.resume is None else step.resume.clone())
         static_positions = positions.to(dev).clone()
 
         def forward() -> ForwardOutput:  # the warm-up and the capture run the very same step
@@ -411,8 +406,7 @@ class FusedDecoder:
         position 0; long_cache: a one-token step attends to the policy's long_cache_keys or more."""
         B, T = step.tokens.shape
         ops = _FusedOps(self, cache, positions, B, T, step.last_only, last_index, span, long_cache)
-        return run(ops, self.engine.weights, self.cfg, step.tokens, step.loops, resume=step.resume,
-                   start_loop=step.start_loop)  # fmt: skip
+        return run(ops, self.engine.weights, self.cfg, step.tokens, step.loops, resume=step.resume)
 
     def _gate_logit(self, s: torch.Tensor) -> torch.Tensor:
         """The exit gate's logit per row in float32: for decode-sized steps one matvec launch in the PDL

@@ -28,6 +28,7 @@ import torch
 
 from tinyloop.cache.base import StepCache
 from tinyloop.grammar.index import TokenIndex
+from tinyloop.model.looped import Resume
 from tinyloop.runtime.decode import Row, decode_row
 from tinyloop.runtime.depth_schedule import DepthSchedule, fill_skipped_iterations
 from tinyloop.runtime.engine import Engine
@@ -233,9 +234,8 @@ def _split_prefill(
     distributions)."""
     start = cache.lengths.clone()
     draft = engine.step(ids, cache, spec.draft_loops)
-    assert draft.logits is not None and draft.loop_state is not None and draft.prelude_out is not None
-    resume = (draft.loop_state, draft.prelude_out)
-    full = engine.step(ids, cache, spec.verify_loops, start=start, resume=resume, start_loop=spec.draft_loops).logits
+    assert draft.logits is not None
+    full = engine.step(ids, cache, spec.verify_loops, start=start, resume=draft.resume_at(spec.draft_loops)).logits
     assert full is not None
     q, p = draft.logits[0].float(), full[0].float()
     if params.temperature == 0.0:
@@ -305,10 +305,8 @@ def _speculate(
     inputs = torch.tensor([[pending, *drafts]])
     first = torch.tensor([start])
     if spec.resume_verify:
-        resume = (torch.cat(states, dim=1), torch.cat(preludes, dim=1))
-        out = engine.step(
-            inputs, cache, spec.verify_loops, start=first, resume=resume, start_loop=spec.draft_loops
-        )  # fmt: skip
+        resume = Resume(torch.cat(states, dim=1), torch.cat(preludes, dim=1), spec.draft_loops)
+        out = engine.step(inputs, cache, spec.verify_loops, start=first, resume=resume)
     else:
         out = engine.step(inputs, cache, spec.verify_loops, start=first)
     assert out.logits is not None
