@@ -182,10 +182,10 @@ def run(
     """The forward of tokens [B, T] at `loops` iterations over a backend; caches are the backend's.
 
     `resume` continues a forward that already ran resume.start_loop iterations on these positions: only the
-    iterations after those, the coda and the head run. `on_iteration` sees each
-    iteration's state and may stop the loop, or some rows, early (IterationHook). depth ([B], on the
-    device): per-row iterations (<= loops); a row past its depth keeps its state through the remaining
-    iterations, whose K/V it writes to slots it never reads.
+    iterations after those, the coda and the head run. `on_iteration` sees each iteration's state and may stop
+    the loop, or some rows, early (IterationHook). depth ([B], on the device): per-row iterations (<= loops); a
+    row past its depth keeps its state through the remaining iterations, whose K/V it writes to slots it never
+    reads.
     """
     states: list[torch.Tensor] | None = [] if collect_states else None
     start_loop = 0
