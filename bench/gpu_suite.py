@@ -209,7 +209,7 @@ def quick_correctness_section() -> dict[str, Any]:
 RAW_DECODE_PROMPT = torch.as_tensor(np.random.default_rng(4).integers(0, 32000, (1, 128)), dtype=torch.long)
 
 
-def _timeline_by_kernel(timeline: dict[str, Any]) -> dict[str, list[float]]:
+def timeline_by_kernel(timeline: dict[str, Any]) -> dict[str, list[float]]:
     """A step timeline's kernels grouped by name: [launches, mean µs from launch to end, mean µs the kernel adds
     to the step (its end minus the previous kernel's end: under PDL a kernel starts early and waits, so its
     duration overlaps its predecessor's)]."""
@@ -220,18 +220,18 @@ def _timeline_by_kernel(timeline: dict[str, Any]) -> dict[str, list[float]]:
             for name, v in groups.items()}  # fmt: skip
 
 
-def _step_timeline(pdl: bool) -> dict[str, Any]:
-    """Kernels of one raw decode step of seed-407m (loops 8, position 160 of 64 profiled steps after a
-    128-token prompt) in launch order: name, duration and the gap since the previous kernel ended (negative:
-    overlap under PDL)."""
+def step_timeline(pdl: bool, path: str = SEED_PATH, loops: int = 8, rows: int = 1) -> dict[str, Any]:
+    """Kernels of one raw decode step of `rows` sequences (default: seed-407m, loops 8, one row; position 160
+    of 64 profiled steps after a 128-token prompt) in launch order: name, duration and the gap since the previous
+    kernel ended (negative: overlap under PDL)."""
     from torch.profiler import ProfilerActivity, profile
 
     def run() -> dict[str, Any]:
-        m = tinyloop.Model(SEED_PATH, max_seq_len=512, device="cuda")
-        eng, loops, steps = m._engine, 8, 64
-        cache = eng.new_cache(1, 260, loops)
-        eng.step(RAW_DECODE_PROMPT, cache, loops, last_only=True)
-        tok = torch.tensor([[5]])
+        m = tinyloop.Model(path, max_seq_len=512, device="cuda")
+        eng, steps = m._engine, 64
+        cache = eng.new_cache(rows, 260, loops)
+        eng.step(RAW_DECODE_PROMPT.repeat(rows, 1), cache, loops, last_only=True)
+        tok = torch.full((rows, 1), 5)
         for _ in range(2):  # graphs captured, then warm
             cache.truncate(RAW_DECODE_PROMPT.shape[1])
             for _ in range(steps):
@@ -260,12 +260,12 @@ def _step_timeline(pdl: bool) -> dict[str, Any]:
 
 
 def timeline_section() -> dict[str, Any]:
-    """One decode step's kernels in order, with and without PDL (see _step_timeline), and grouped by name
+    """One decode step's kernels in order, with and without PDL (see step_timeline), and grouped by name
     (bench/render_gpu_report.py --step-plot draws the groups)."""
     wait_for_models(SEED_PATH)
-    res = {"pdl": _step_timeline(True), "no_pdl": _step_timeline(False)}
+    res = {"pdl": step_timeline(True), "no_pdl": step_timeline(False)}
     for k, v in res.items():
-        v["by_kernel"] = _timeline_by_kernel(v)
+        v["by_kernel"] = timeline_by_kernel(v)
         print("timeline", k, v["kernels_per_step"], round(v["step_span_us"], 1), round(v["step_busy_us"], 1),
               round(v["step_gaps_us"], 1))  # fmt: skip
         for row in v["step"][:24]:
