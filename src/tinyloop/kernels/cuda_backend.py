@@ -47,6 +47,7 @@ def kernel_policy(env: RuntimeEnv) -> KernelPolicy:
     """The policy of a CUDA engine: the measured defaults, with the kernels this GPU and Triton build switched
     on unless the environment switches them off. Read once, when the engine is created."""
     triton_ok = triton_available()
+    persistent = triton_ok and env.persistent_decode
     return KernelPolicy(
         cublas_16bit=not env.disable_cublas_fp16,
         pdl=triton_ok and not env.disable_pdl and pdl_supported(),
@@ -54,8 +55,8 @@ def kernel_policy(env: RuntimeEnv) -> KernelPolicy:
         staged_gemv=triton_ok and not env.disable_staged_gemv and staged_supported(),
         sdpa_math_only=env.disable_flash2_prefill,
         sdpa_cudnn=env.use_cudnn_sdpa,
-        persistent_decode=triton_ok and env.persistent_decode,
-        attention_out_max_rows=1 if triton_ok and env.persistent_decode else 0,
+        persistent_decode=persistent,
+        attention_out_max_rows=1 if persistent else 0,
         tinygemm=not env.disable_tinygemm and tinygemm_supported(),
         mma_int4=triton_ok and not env.disable_mma_int4 and mma_int4_supported(),
         mma_int4_wgmma=triton_ok and not env.disable_mma_int4 and mma_int4_wgmma_supported(),
