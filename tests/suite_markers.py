@@ -12,6 +12,7 @@ INTERPRET_MODULES = (
     "kernels/test_triton_kernels.py",
     "kernels/test_fused_decode.py",
     "kernels/test_persistent_mlp.py",
+    "kernels/test_batch_invariant.py",
     "stochastic/test_triton_interpreter.py",
 )
 # Other tests over ~1.3 s on an idle 2-core CPU VM (pytest --durations), mostly end-to-end CLI runs in a

@@ -46,6 +46,7 @@ class RuntimeEnv:
     disable_tinygemm: bool
     disable_mma_int4: bool
     persistent_decode: bool
+    batch_invariant: bool
     disable_flash2_prefill: bool
     disable_l2_residency: bool
     use_cudnn_sdpa: bool
@@ -71,6 +72,7 @@ class RuntimeEnv:
             disable_tinygemm=_flag("TINYLOOP_DISABLE_TINYGEMM"),
             disable_mma_int4=_flag("TINYLOOP_DISABLE_MMA_INT4"),
             persistent_decode=_flag("TINYLOOP_PERSISTENT_DECODE"),
+            batch_invariant=_flag("TINYLOOP_BATCH_INVARIANT"),
             disable_flash2_prefill=_flag("TINYLOOP_DISABLE_FLASH2_PREFILL"),
             disable_l2_residency=_flag("TINYLOOP_DISABLE_L2_RESIDENCY"),
             use_cudnn_sdpa=_flag("TINYLOOP_USE_CUDNN_SDPA"),

@@ -48,6 +48,14 @@ def kernel_policy(env: RuntimeEnv) -> KernelPolicy:
     on unless the environment switches them off. Read once, when the engine is created."""
     triton_ok = triton_available()
     persistent = triton_ok and env.persistent_decode
+    wgmma = triton_ok and not env.disable_mma_int4 and mma_int4_wgmma_supported()
+    if env.batch_invariant and not wgmma:
+        raise ValueError(
+            "TINYLOOP_BATCH_INVARIANT=1 needs the warpgroup INT4 kernel: a Hopper GPU (compute capability 9.0), "
+            "Triton with Gluon, and TINYLOOP_DISABLE_MMA_INT4 unset"
+        )
+    if env.batch_invariant and persistent:
+        raise ValueError("TINYLOOP_BATCH_INVARIANT=1 and TINYLOOP_PERSISTENT_DECODE=1 exclude each other: choose one")
     return KernelPolicy(
         cublas_16bit=not env.disable_cublas_fp16,
         pdl=triton_ok and not env.disable_pdl and pdl_supported(),
@@ -59,7 +67,8 @@ def kernel_policy(env: RuntimeEnv) -> KernelPolicy:
         attention_out_max_rows=1 if persistent else 0,
         tinygemm=not env.disable_tinygemm and tinygemm_supported(),
         mma_int4=triton_ok and not env.disable_mma_int4 and mma_int4_supported(),
-        mma_int4_wgmma=triton_ok and not env.disable_mma_int4 and mma_int4_wgmma_supported(),
+        mma_int4_wgmma=wgmma,
+        batch_invariant=env.batch_invariant,
     )
 
 

@@ -58,6 +58,14 @@ class _Epilogue:
     eps: float
     flags: dict[str, Any]
 
+    def rows(self, start: int, stop: int) -> _Epilogue:
+        """This epilogue for rows start..stop of x (the output's and the residual's rows)."""
+        out = self.out[start:stop]
+        residual = self.residual[start:stop] if self.flags["RESIDUAL"] else out
+        norm_weight = self.norm_weight if self.flags["NORM"] else out
+        bias = self.bias if self.flags["BIAS"] else out
+        return _Epilogue(out, residual, norm_weight, bias, self.eps, self.flags)
+
 
 def _gemv_gluon(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep: _Epilogue) -> bool:
     """Launches the Gluon GEMV; False (once, after saying why) where this Triton's Gluon cannot build it."""
@@ -211,7 +219,7 @@ def fused_linear(
         many_rows = policy.int4_rows_on_cublas(M)
     else:
         many_rows = M > (policy.matvec_max_rows if isinstance(w, Int4Weight) else policy.matvec_16bit_max_rows)
-    if many_rows and policy.cublas_16bit:
+    if many_rows and policy.cublas_16bit and not policy.batch_invariant:
         return _linear_unfused(policy, x, w, norm_weight, eps, bias, act, residual, out)
     words, scale, minimum, group, is_int4 = _weight_parts(w)
     flags = dict(GROUP=group, INT4=is_int4, **epilogue)
@@ -233,10 +241,12 @@ def fused_linear(
     for r0 in range(0, M, policy.matvec_max_rows):
         r1 = min(M, r0 + policy.matvec_max_rows)
         xs, outs, ress = x[r0:r1], out[r0:r1], res if residual is None else res[r0:r1]
-        block_n, block_k, warps = policy.matvec_tile(N, K, r1 - r0, group)
+        # batch invariant: one kernel shape whatever the row count, so a row's sums keep their order
+        launch_rows = policy.matvec_max_rows if policy.batch_invariant else r1 - r0
+        block_n, block_k, warps = policy.matvec_tile(N, K, launch_rows, group)
         _matvec_kernel[(triton.cdiv(N, block_n),)](
             xs, words, scale, minimum, outs, ress, nw, b, r1 - r0, N, K, eps, xs.stride(0), outs.stride(0),
-            ress.stride(0), **flags, ROWS=triton.next_power_of_2(r1 - r0), BLOCK_N=block_n, BLOCK_K=block_k,
+            ress.stride(0), **flags, ROWS=triton.next_power_of_2(launch_rows), BLOCK_N=block_n, BLOCK_K=block_k,
             num_warps=warps,
         )  # fmt: skip
     return out
@@ -285,12 +295,24 @@ def _sum_splits(policy: KernelPolicy, x: torch.Tensor, part: torch.Tensor, ep: _
     return out
 
 
-def mma_int4_applies(policy: KernelPolicy, w: CudaMmaInt4Weight, rows: int) -> bool:
+def mma_int4_applies(policy: KernelPolicy, w: CudaMmaInt4Weight | Int4Weight, rows: int) -> bool:
     """Whether the tensor-core INT4 kernel's tile for `rows` rows divides w (out by its weight rows, each half
     of it for a [gate; up] matrix, in by its columns per step, and its columns per step by the INT4 groups)."""
     n, k = w.shape
     warps, row_tiles, block_k, _ = policy.mma_int4_tile(n, k, rows)
     return n % (32 * warps * row_tiles) == 0 and k % block_k == 0 and block_k % w.group_size == 0
+
+
+def mma_int4_splits(policy: KernelPolicy, k_tiles: int, n_tiles: int, m_tiles: int, rows_x: int) -> tuple[int, int]:
+    """(K splits, K tiles per split) of a tensor-core INT4 product of n_tiles x m_tiles output tiles: K split until
+    about the policy's programs run, the warpgroup version's splits capped by the partials' bytes; batch invariant,
+    by the matrix alone (the same splits at every row count: each row summed in one order)."""
+    wgmma = policy.mma_int4_wgmma
+    programs = policy.mma_int4_wgmma_programs if wgmma else policy.mma_int4_programs
+    if policy.batch_invariant:
+        return _k_splits(programs, k_tiles, n_tiles)
+    max_splits = max(1, policy.mma_int4_wgmma_split_rows // (rows_x * m_tiles)) if wgmma else None
+    return _k_splits(programs, k_tiles, n_tiles * m_tiles, max_splits)
 
 
 def _mma_int4_linear(policy: KernelPolicy, x: torch.Tensor, w: CudaMmaInt4Weight, ep: _Epilogue) -> torch.Tensor:
@@ -306,12 +328,15 @@ def _mma_int4_linear(policy: KernelPolicy, x: torch.Tensor, w: CudaMmaInt4Weight
     if not mma_int4_applies(policy, w, M):
         raise ValueError(f"the tensor-core INT4 tile ({block_n} rows x {block_k} columns) does not divide {w.shape}")
     n_tiles, m_tiles = n_total // block_n, triton.cdiv(M, rows_x)
+    counted_rows = w.arrivals.numel() // n_tiles * rows_x
+    if M > counted_rows and policy.batch_invariant:  # a long prompt chunk: row blocks, each split alike
+        for r0 in range(0, M, counted_rows):
+            _mma_int4_linear(policy, x[r0 : r0 + counted_rows], w, ep.rows(r0, r0 + counted_rows))
+        return ep.out
     if n_tiles * m_tiles > w.arrivals.numel():
         raise ValueError(f"{m_tiles} tiles of {rows_x} x rows exceed the copy's counters ({w.arrivals.numel()})")
     wgmma = policy.mma_int4_wgmma
-    programs = policy.mma_int4_wgmma_programs if wgmma else policy.mma_int4_programs
-    max_splits = max(1, policy.mma_int4_wgmma_split_rows // (rows_x * m_tiles)) if wgmma else None
-    splits, tiles_per_split = _k_splits(programs, K // block_k, n_tiles * m_tiles, max_splits)
+    splits, tiles_per_split = mma_int4_splits(policy, K // block_k, n_tiles, m_tiles, rows_x)
     part = torch.empty((splits, M, n_total), dtype=torch.float32, device=x.device)
     squares = torch.empty((splits, M), dtype=torch.float32, device=x.device) if flags["NORM"] else part
     # The mma.sync version has no registers to spare for a deeper prefetch.

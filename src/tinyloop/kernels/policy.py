@@ -138,6 +138,13 @@ class KernelPolicy:
     # A single sequence's steps of several tokens (speculative verification) whose row count the tensor-core kernel
     # takes run on it too: on an H100 draft 2 / verify 8 on seed-407m went from 1.18-1.25x plain to 1.41-1.55x.
     mma_int4_few_tokens: bool = True
+    # Batch-invariant decoding (TINYLOOP_BATCH_INVARIANT=1; Hopper, 16-bit compute, INT4 matrices): every product of
+    # any row count (one-token steps of any batch, prompt chunks, the head) runs the warpgroup INT4 kernel with one
+    # tile and one K split per matrix shape, so each row is summed in the same order whatever else is in the step,
+    # and every attention takes the per-query cached-attention kernel (keys in fixed blocks from position 0). A
+    # sequence's logits are then the same bits alone, in any batch and however its prompt is chunked; the price
+    # is in docs/BENCHMARKS.md.
+    batch_invariant: bool = False
     # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
     splitk_programs: int = 264
     # Cached attention (keys per block, warps) for heads of at least 128 and for narrower heads.
@@ -253,6 +260,8 @@ class KernelPolicy:
         if (n, k, rows) in self.mma_int4_tiles:
             return self.mma_int4_tiles[(n, k, rows)]
         rows_x = max(16, 1 << (rows - 1).bit_length())
+        if self.batch_invariant:  # x tiles of 16 or 32 rows change no row's sums (measured bit-equal on an H100)
+            return (8, 1, 128, min(rows_x, 32))
         if self.mma_int4_wgmma:
             if rows_x == 32 and n > k:
                 return (4, 2, 128, 32)
@@ -266,6 +275,8 @@ class KernelPolicy:
 
     def mma_int4_takes_rows(self, rows: int) -> bool:
         """Whether a product of `rows` rows of x runs the tensor-core INT4 kernel (where a step takes it at all)."""
+        if self.batch_invariant:
+            return self.mma_int4 and self.mma_int4_wgmma and rows >= 1
         if self.mma_int4_wgmma:
             lowest, highest = self.mma_int4_wgmma_min_rows, self.mma_int4_wgmma_max_rows
         else:

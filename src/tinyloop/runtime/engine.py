@@ -169,6 +169,16 @@ class Engine:
                 if cache is not None:
                     cache.lengths = torch.maximum(cache.lengths, start + valid_cpu)
                 return handled
+        if self.kernel_policy.batch_invariant:
+            reasons = {
+                "per-iteration states": collect_states,
+                "per-row exit depths": depth is not None,
+                f"a {type(cache).__name__} cache": not dense,
+                "cross-iteration weights": self.decoder is None,
+            }
+            why = ", ".join(r for r, applies in reasons.items() if applies) or "a step the fused decoder declines"
+            raise ValueError(f"TINYLOOP_BATCH_INVARIANT=1 covers the fused CUDA steps only; this one needs the "
+                             f"generic path ({why})")  # fmt: skip
         positions = (start[:, None] + torch.arange(T)[None, :]).to(self.device)
         fresh = cache is None or int(start.max()) == 0
         ctx = self.context(positions, cache, None if fresh else end)

@@ -130,6 +130,29 @@ class FusedDecoder:
         self._qkv_bias: dict[int, torch.Tensor | None] = {}
         for lw in self._all_layers():
             self._qkv_bias[id(lw)] = self._combined_bias(lw)
+        if self.kernels.policy.batch_invariant:
+            self._check_batch_invariant(matrices)
+
+    def _check_batch_invariant(self, matrices: list[Weight]) -> None:
+        """Batch-invariant mode holds only where every step runs the kernels it fixes: name what this model
+        lacks rather than run some steps on others."""
+        dtype, policy = self.engine.dtype, self.kernels.policy
+        problem = None
+        if dtype not in (torch.bfloat16, torch.float16):
+            problem = f"bfloat16 or float16 compute (this model computes in {str(dtype).removeprefix('torch.')})"
+        elif not self.supported:
+            problem = "an RMSNorm model of plain INT4 matrices (not cross-iteration rounding weights)"
+        elif not self._tinygemm_fits:
+            problem = "room for a copy of the INT4 matrices in the kernel's layout (1/8 of the GPU's memory)"
+        for m in matrices:
+            if problem is not None:
+                break
+            if not isinstance(m, Int4Weight):
+                problem = f"INT4 matrices (found a 16-bit {tuple(m.shape)} matrix; convert with --bits 4)"
+            elif not (CudaMmaInt4Weight.supports(m, dtype) and cuda_ops.mma_int4_applies(policy, m, 1)):
+                problem = f"matrices the warpgroup INT4 kernel's tile divides (not {m.shape}, groups of {m.group_size})"
+        if problem is not None:
+            raise ValueError(f"TINYLOOP_BATCH_INVARIANT=1 needs {problem}")
 
     def _all_layers(self) -> list[LayerWeights]:
         w = self.engine.weights
@@ -254,6 +277,8 @@ class FusedDecoder:
             info(f"batched steps: INT4 matrices copied for the tensor-core kernel ({mib:.0f} MiB)")
             self._mma_int4 = copies
         rows = batch * tokens
+        if self.kernels.policy.batch_invariant:  # one tile at every row count, checked to divide every matrix
+            return self._mma_int4
         if rows not in self._mma_int4_by_rows:
             policy = self.kernels.policy
             taken = {key: c for key, c in self._mma_int4.items() if cuda_ops.mma_int4_applies(policy, c, rows)}
@@ -262,7 +287,7 @@ class FusedDecoder:
 
     def _takes_mma_int4(self, batch: int, tokens: int) -> bool:
         policy = self.kernels.policy
-        token_count_taken = tokens == 1 or policy.mma_int4_few_tokens
+        token_count_taken = tokens == 1 or policy.mma_int4_few_tokens or policy.batch_invariant
         fits = self._tinygemm_fits and self.engine.dtype in (torch.bfloat16, torch.float16)
         return token_count_taken and policy.mma_int4_takes_rows(batch * tokens) and fits and gluon_int4_mma.available()
 
@@ -283,7 +308,8 @@ class FusedDecoder:
     def _takes_tinygemm(self, batch: int, tokens: int) -> bool:
         policy = self.kernels.policy
         small_batch = tokens == 1 and max(2, policy.tinygemm_min_rows) <= batch <= policy.tinygemm_max_rows
-        return policy.tinygemm and small_batch and self.engine.dtype == torch.bfloat16 and self._tinygemm_fits
+        taken = policy.tinygemm and small_batch and not policy.batch_invariant
+        return taken and self.engine.dtype == torch.bfloat16 and self._tinygemm_fits
 
     def dense_copies(self, batch: int, tokens: int) -> dict[int, torch.Tensor]:
         """The 16-bit copies a step of `batch` sequences x `tokens` tokens multiplies instead of the INT4
@@ -291,6 +317,8 @@ class FusedDecoder:
         A single sequence's few-token steps (speculative verification) never take them: they run the INT4
         kernels, or the tensor-core INT4 kernel where the policy gives it those steps (`mma_int4_few_tokens`)."""
         policy = self.kernels.policy
+        if policy.batch_invariant:
+            return {}
         taken = self._takes_tinygemm(batch, tokens) or bool(self.mma_int4_weights(batch, tokens))
         batched = batch >= policy.dense_copy_min_rows and not taken
         many = batched or policy.int4_rows_on_cublas(batch * tokens)
@@ -411,7 +439,8 @@ class FusedDecoder:
     def _gate_logit(self, s: torch.Tensor) -> torch.Tensor:
         """The exit gate's logit per row in float32: for decode-sized steps one matvec launch in the PDL
         chain (instead of four torch launches that each break it), else as model/ops.py computes it."""
-        if s.shape[0] > self.kernels.policy.matvec_max_rows or self._gate_weight is None:
+        policy = self.kernels.policy
+        if self._gate_weight is None or (s.shape[0] > policy.matvec_max_rows and not policy.batch_invariant):
             return gate_logit(self.engine.weights, s)
         return self.kernels.fused_linear(s, self._gate_weight, bias=self._gate_bias, out_dtype=torch.float32).squeeze(
             -1
@@ -431,7 +460,8 @@ class _FusedOps:
         self.B, self.T, self.last_only, self.last_index = B, T, last_only, last_index
         self.substitutes = dec.step_weights(B, T)
         self.mask: torch.Tensor | None = None
-        if span is not None and T > FUSED_ATTENTION_MAX_TOKENS:
+        self.per_query_attention = T <= FUSED_ATTENTION_MAX_TOKENS or dec.kernels.policy.batch_invariant
+        if span is not None and not self.per_query_attention:
             self.mask = position_mask(positions.view(B, T), span)
 
     def _w(self, w: Weight) -> ProductWeight:
@@ -451,7 +481,7 @@ class _FusedOps:
                              bias=self.dec._qkv_bias[id(lw)])  # fmt: skip
         k_cache, v_cache = self.cache.k[slot], self.cache.v[slot]
         interleaved = cfg.rope_pairing == "interleaved"
-        if self.T == 1 and ROPE_ATTENTION_ONE_KERNEL:
+        if self.T == 1 and ROPE_ATTENTION_ONE_KERNEL and not k.policy.batch_invariant:
             out_weight = self._w(lw.out)
             attn = OneTokenAttention(k_cache, v_cache, self.positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads,
                                      cfg.head_dim, interleaved)  # fmt: skip
@@ -469,7 +499,7 @@ class _FusedOps:
         cfg, eng, k, T = self.cfg, self.eng, self.k, self.T
         q = k.rope_store(qkv, k_cache, v_cache, self.positions, eng.cos, eng.sin, cfg.n_heads, cfg.n_kv_heads,
                          cfg.head_dim, T, interleaved)  # fmt: skip
-        if T <= FUSED_ATTENTION_MAX_TOKENS:
+        if self.per_query_attention:
             return k.cached_attention(q, k_cache, v_cache, self.positions, T)
         qh = q.view(self.B, T, cfg.n_heads, cfg.head_dim).transpose(1, 2)
         policy = k.policy
