@@ -256,7 +256,7 @@ class KernelPolicy:
         gate / up); 64 x rows in one tile only for matrices at least 4 times as tall as wide (gate / up), in two of
         32 else. mma.sync (528 programs): two row tiles a warp for tall matrices (gate / up) from 8 rows and long
         rows (down) from 16, 256 columns a step for long rows below 8; 64 x rows only with 64 columns a step (more
-        spill, sm_90a)."""
+        spill, sm_90a). Batch invariant: 8 warps of one row tile, 128 columns a step, at every row count."""
         if (n, k, rows) in self.mma_int4_tiles:
             return self.mma_int4_tiles[(n, k, rows)]
         rows_x = max(16, 1 << (rows - 1).bit_length())
