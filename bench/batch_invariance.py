@@ -2,7 +2,8 @@
 Scheduler (its prompt chunked differently, other requests joining), with the default kernels and with
 TINYLOOP_BATCH_INVARIANT=1? And what the mode costs.
 
-    PYTHONPATH=src python bench/batch_invariance.py --model seed.tinyloop --out F.json [--loops 8] [--tokens 48]
+    PYTHONPATH=src python bench/batch_invariance.py --model seed.tinyloop --out F.json [--loops 8] [--tokens 48] \
+        [--prompts 6] [--modes default batch_invariant] [--no-timing]
 
 For each mode (a Model loaded with the switch unset, then one loaded with it set):
 - alone: each of `--prompts` random prompts (17-200 tokens) through `generate`, greedy;
@@ -78,6 +79,8 @@ def check_mode(model: tinyloop.Model, prompts: list[np.ndarray], fillers: list[n
             h.result()
     result["scheduler"] = compare(rows, alone)
     print("scheduler", result["scheduler"], flush=True)
+    if args.no_timing:
+        return result
     rng = np.random.default_rng(1)
     vocab = model.header.config.vocab_size
     prompt128 = rng.integers(0, vocab, 128).astype(np.int32)
@@ -105,6 +108,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--modes", nargs="+", default=["default", "batch_invariant"])
+    ap.add_argument("--no-timing", action="store_true", help="the checks alone")
     args = ap.parse_args()
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
                     "loops": args.loops, "tokens": args.tokens}  # fmt: skip
