@@ -14,10 +14,11 @@ import torch
 
 from helpers import max_rel_error
 from kernels.test_fused_decode import build
+from kernels.test_gluon_int4_mma import _shaped
 from naive_reference import naive_forward
 from tinyloop.env import RuntimeEnv
 from tinyloop.kernels import cuda_backend, cuda_ops, gluon_int4_mma
-from tinyloop.kernels.cuda_ops import CudaKernels, mma_int4_splits
+from tinyloop.kernels.cuda_ops import CudaKernels, mma_int4_applies, mma_int4_splits
 from tinyloop.kernels.policy import KernelPolicy
 from tinyloop.quant import CudaMmaInt4Weight
 from tinyloop.runtime import fused_decode
@@ -72,6 +73,7 @@ def test_one_tile_and_one_split_per_matrix_at_every_row_count() -> None:
             plans.add((warps, row_tiles, block_k, mma_int4_splits(invariant, k // block_k, n_tiles, m_tiles, rows_x)))
             assert rows_x in (16, 32) and invariant.mma_int4_takes_rows(rows)
         assert len(plans) == 1, (n, k, plans)
+        assert all(mma_int4_applies(invariant, _shaped(n, k), rows) for rows in ROWS), (n, k)
         default_plans = set()
         for rows in (2, 8, 32):
             warps, row_tiles, block_k, rows_x = default.mma_int4_tile(n, k, rows)
@@ -188,3 +190,31 @@ def test_launch_rows_of_the_16bit_product_stay_fixed(monkeypatch: pytest.MonkeyP
         assert [m for m, _, _ in launches] == [1, 3, 4, 2]  # rows a launch: at most matvec_max_rows
         shapes[invariant] = {(rows, block) for _, rows, block in launches}
     assert len(shapes[True]) == 1 and next(iter(shapes[True]))[0] == 4 and len(shapes[False]) == 3
+
+
+def test_a_prompt_past_the_counters_runs_in_row_blocks_of_one_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A product of more rows than the copy's tile counters cover (long prompt chunks) launches once per block of
+    rows, each block with the matrix's one plan, writing its own rows of the output and reading its own rows of
+    the residual."""
+    launches: list[tuple[int, tuple[int, ...], int, int, int]] = []
+
+    class Recorder:
+        def __getitem__(self, grid: tuple[int, ...]) -> object:
+            def launch(x, w, sm, nw, part, squares, arrivals, out, res, *rest, **kw):  # type: ignore[no-untyped-def]
+                launches.append((x.shape[0], grid, rest[4], out.data_ptr(), res.data_ptr()))
+
+            return launch
+
+    monkeypatch.setattr(gluon_int4_mma, "_int4_mma_kernel", Recorder())
+    policy = KernelPolicy(mma_int4=True, mma_int4_wgmma=True, batch_invariant=True)
+    w = _shaped(2048, 2048)
+    x, residual = torch.randn(5000, 2048, dtype=torch.bfloat16), torch.randn(5000, 2048, dtype=torch.bfloat16)
+    out = cuda_ops.fused_linear(policy, x, w, residual=residual)
+    counted = w.arrivals.numel() // (2048 // 128) * 32
+    assert [rows for rows, *_ in launches] == [counted, counted, 5000 - 2 * counted]
+    assert len({(grid[:2], tiles) for _, grid, tiles, _, _ in launches}) == 1  # one plan: tiles and K splits
+    row_bytes = 2048 * 2
+    assert [o - out.data_ptr() for *_, o, _ in launches] == [0, counted * row_bytes, 2 * counted * row_bytes]
+    assert [r - residual.data_ptr() for *_, r in launches] == [0, counted * row_bytes, 2 * counted * row_bytes]
+    with pytest.raises(ValueError, match="exceed the copy's counters"):
+        cuda_ops.fused_linear(dataclasses.replace(policy, batch_invariant=False), x, w, residual=residual)
