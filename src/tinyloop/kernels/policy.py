@@ -142,8 +142,8 @@ class KernelPolicy:
     # any row count (one-token steps of any batch, prompt chunks, the head) runs the warpgroup INT4 kernel with one
     # tile and one K split per matrix shape, so each row is summed in the same order whatever else is in the step,
     # and every attention takes the per-query cached-attention kernel (keys in fixed blocks from position 0). A
-    # sequence's logits are then the same bits alone, in any batch and however its prompt is chunked; the price
-    # is in docs/BENCHMARKS.md.
+    # sequence's logits are then the same bits alone, in any batch and however its prompt is chunked (the kernel's
+    # evidence: docs/BENCHMARKS.md; the end-to-end check and the price: bench/batch_invariance.py).
     batch_invariant: bool = False
     # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
     splitk_programs: int = 264
