@@ -275,8 +275,8 @@ class KernelPolicy:
 
     def mma_int4_takes_rows(self, rows: int) -> bool:
         """Whether a product of `rows` rows of x runs the tensor-core INT4 kernel (where a step takes it at all)."""
-        if self.batch_invariant:
-            return self.mma_int4 and self.mma_int4_wgmma and rows >= 1
+        if self.batch_invariant:  # every row count, one plan
+            return self.mma_int4 and self.mma_int4_wgmma
         if self.mma_int4_wgmma:
             lowest, highest = self.mma_int4_wgmma_min_rows, self.mma_int4_wgmma_max_rows
         else:
