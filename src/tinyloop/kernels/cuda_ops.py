@@ -214,12 +214,13 @@ def fused_linear(
     ep = _Epilogue(out, res, nw, b, eps, epilogue)
     if isinstance(w, CudaMmaInt4Weight):
         return _mma_int4_linear(policy, x, w, ep)
-    blocked = isinstance(w, BlockedInt4Weight)
-    if blocked:
-        many_rows = policy.int4_rows_on_cublas(M)
+    if isinstance(w, BlockedInt4Weight):
+        on_cublas = policy.int4_rows_on_cublas(M)
     else:
-        many_rows = M > (policy.matvec_max_rows if isinstance(w, Int4Weight) else policy.matvec_16bit_max_rows)
-    if many_rows and policy.cublas_16bit and not policy.batch_invariant:
+        on_cublas = policy.rows_on_cublas(
+            M, policy.matvec_max_rows if isinstance(w, Int4Weight) else policy.matvec_16bit_max_rows
+        )
+    if on_cublas:
         return _linear_unfused(policy, x, w, norm_weight, eps, bias, act, residual, out)
     words, scale, minimum, group, is_int4 = _weight_parts(w)
     flags = dict(GROUP=group, INT4=is_int4, **epilogue)

@@ -222,9 +222,14 @@ class KernelPolicy:
     def register_cap(self) -> dict[str, int]:
         return {"maxnreg": self.gemv_max_registers} if self.gemv_max_registers else {}
 
+    def rows_on_cublas(self, rows: int, kernel_max_rows: int) -> bool:
+        """Whether a product of `rows` rows goes to cuBLAS rather than a kernel that takes up to `kernel_max_rows`
+        (never batch invariant: cuBLAS picks its algorithm by the row count)."""
+        return self.cublas_16bit and not self.batch_invariant and rows > kernel_max_rows
+
     def int4_rows_on_cublas(self, rows: int) -> bool:
         """Whether `rows` rows times a blocked INT4 matrix go to dequantize + cuBLAS."""
-        return self.cublas_16bit and rows > self.blocked_gemm_max_rows
+        return self.rows_on_cublas(rows, self.blocked_gemm_max_rows)
 
     # ---- tiles ---------------------------------------------------------------------------------------------
     def matvec_tile(self, n: int, k: int, rows: int, group: int) -> tuple[int, int, int]:

@@ -317,8 +317,6 @@ class FusedDecoder:
         A single sequence's few-token steps (speculative verification) never take them: they run the INT4
         kernels, or the tensor-core INT4 kernel where the policy gives it those steps (`mma_int4_few_tokens`)."""
         policy = self.kernels.policy
-        if policy.batch_invariant:
-            return {}
         taken = self._takes_tinygemm(batch, tokens) or bool(self.mma_int4_weights(batch, tokens))
         batched = batch >= policy.dense_copy_min_rows and not taken
         many = batched or policy.int4_rows_on_cublas(batch * tokens)
