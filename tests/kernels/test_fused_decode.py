@@ -90,6 +90,35 @@ def test_fused_decode_matches_naive(variant: str) -> None:
     assert max_rel_error(torch.cat(got), ref_logits[prompt:]) <= 1e-4
 
 
+@pytest.mark.parametrize("blocked", [True, False], ids=["blocked", "plain"])
+def test_sandwich_residuals_are_written_by_the_products_that_read_them(
+    blocked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An Ouro-like one-row step: each sublayer's residual + post-norm is computed by the next normed product on its
+    way in (the blocked GEMV); only the last one of an iteration, which the loop's final norm reads, takes a norm
+    launch of its own. With the plain layout's kernel a norm launch writes every one first. The same logits either
+    way (against naive float64: test_fused_decode_matches_naive)."""
+    cfg, _, fused, generic = build("ouro-like", blocked)
+    launches: list[int] = []
+    original = cuda_ops.rms_norm
+
+    def counting(*args: object, **kwargs: object) -> torch.Tensor:
+        launches.append(1)
+        return original(*args, **kwargs)  # type: ignore[arg-type]
+
+    loops = 2
+    tokens = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    caches = [e.new_cache(1, 16, loops) for e in (fused, generic)]
+    for eng, cache in zip((fused, generic), caches, strict=True):
+        eng.step(tokens[:, :5], cache, loops)
+    monkeypatch.setattr(cuda_ops, "rms_norm", counting)
+    got = fused.step(tokens[:, 5:], caches[0], loops, last_only=True).logits
+    want = generic.step(tokens[:, 5:], caches[1], loops, last_only=True).logits
+    assert max_rel_error(got, want) <= 1e-4
+    final_norms, post_norms = loops, loops if blocked else 2 * cfg.n_body * loops
+    assert len(launches) == final_norms + post_norms
+
+
 def test_one_row_attention_takes_its_long_cache_tile_from_long_cache_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     """A one-row decode whose cache grows past long_cache_keys switches to the long tile there (several live splits
     merged), with the naive reference's logits on both sides."""

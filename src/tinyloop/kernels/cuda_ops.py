@@ -33,7 +33,7 @@ from tinyloop.kernels.triton_norm import _rms_norm_kernel
 from tinyloop.log import info
 from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, CudaTinygemmWeight, Int4Weight
 
-__all__ = ["ACT_GELU", "ACT_NONE", "ACT_SWIGLU", "CudaKernels", "KernelPolicy", "ProductWeight"]
+__all__ = ["ACT_GELU", "ACT_NONE", "ACT_SWIGLU", "CudaKernels", "KernelPolicy", "ProductWeight", "SandwichResidual"]
 
 # What a product multiplies: a model weight, or a decoder's tinygemm repack of an INT4 one.
 # What cuBLAS-sized (unfused) products multiply, and what any product may.
@@ -43,6 +43,30 @@ ProductWeight = UnfusedWeight | CudaMmaInt4Weight
 # Gluon kernels that failed to compile with the installed Triton ("gluon", "staged"): a fact about this
 # process's Triton, recorded once so that later launches go straight to the Triton kernel.
 _UNBUILDABLE: set[str] = set()
+
+
+@dataclass(frozen=True)
+class SandwichResidual:
+    """x = residual + rms_norm(y) * weight, the residual stream after a sandwich-out sublayer (Ouro), not yet
+    computed: the product that reads x next computes it on its way in and writes it to `x` (saving a norm launch
+    per sublayer), or a norm launch does first where that product's kernel cannot."""
+
+    y: torch.Tensor
+    residual: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+    x: torch.Tensor
+
+
+def write_sandwich_residual(policy: KernelPolicy, s: SandwichResidual) -> torch.Tensor:
+    """s.x, computed by a norm launch."""
+    return rms_norm(policy, s.y, s.weight, s.eps, s.residual, 1, out=s.x)
+
+
+def _written_first(policy: KernelPolicy, sandwich: SandwichResidual | None) -> None:
+    """For kernels that read x as it is: a pending sandwich residual written first."""
+    if sandwich is not None:
+        write_sandwich_residual(policy, sandwich)
 
 
 @dataclass(frozen=True)
@@ -100,8 +124,11 @@ def _sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
-def _gemv_staged(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep: _Epilogue) -> bool:
-    """Launches the staged GEMV; False where its plan does not apply (or, once, where it does not build)."""
+def _gemv_staged(
+    policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep: _Epilogue, sandwich: SandwichResidual | None
+) -> bool:
+    """Launches the staged GEMV (computing a pending sandwich residual on its way in); False where its plan does
+    not apply (or, once, where it does not build)."""
     from triton.compiler.errors import CompilationError
     from triton.experimental.gluon.language import NVMMASharedLayout
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -132,10 +159,11 @@ def _gemv_staged(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep
     s_desc, m_desc = (TensorDescriptor(t, [rows, blocks], [blocks, 1], [TILE_ROWS, CHUNK_BLOCKS], group_layout)
                       for t in (w.scale, w.minimum))  # fmt: skip
     rows_per_thread, warps, register_cap = policy.staged_layout
+    y, sandwich_args = _sandwich_args(x, sandwich)
     try:
         _gemv_int4_staged_kernel[(plan.programs,)](
-            x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, PRMT_HIGH_BYTE,
-            R=rows_per_thread, WR=warps, num_warps=warps,
+            y, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, PRMT_HIGH_BYTE, *sandwich_args[:4],
+            SANDWICH=sandwich is not None, R=rows_per_thread, WR=warps, num_warps=warps,
             NORM=flags["NORM"], BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"],
             TILES=plan.tiles, KCH=plan.chunks, **policy.gluon_pdl_options(policy.staged_launch_dependents),
             **({"maxnreg": register_cap} if register_cap else {}),
@@ -147,13 +175,27 @@ def _gemv_staged(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep
     return True
 
 
-def _gemv_gluon_rows(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep: _Epilogue) -> bool:
+def _gemv_gluon_rows(
+    policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep: _Epilogue, sandwich: SandwichResidual | None
+) -> bool:
     """One row: the staged GEMV where it is on and its plan applies; else (and for a few rows) the plain Gluon
-    one where it is on. False: neither ran (the Triton kernels then do)."""
+    one where it is on. False: neither ran (the Triton kernels then do; a sandwich residual may be written)."""
     one_row = x.shape[0] == 1
-    if one_row and policy.staged_gemv and "staged" not in _UNBUILDABLE and _gemv_staged(policy, x, w, ep):
+    if one_row and policy.staged_gemv and "staged" not in _UNBUILDABLE and _gemv_staged(policy, x, w, ep, sandwich):
         return True
-    return policy.gluon_gemv and "gluon" not in _UNBUILDABLE and _gemv_gluon(policy, x, w, ep)
+    if not (policy.gluon_gemv and "gluon" not in _UNBUILDABLE):
+        return False
+    _written_first(policy, sandwich)
+    return _gemv_gluon(policy, x, w, ep)
+
+
+def _sandwich_args(x: torch.Tensor, sandwich: SandwichResidual | None) -> tuple[torch.Tensor, tuple[Any, ...]]:
+    """What a kernel that computes a pending sandwich residual reads as x (y), and its residual, weight, output,
+    eps and row stride (x's own, unread, where none is pending)."""
+    if sandwich is None:
+        return x, (x, x, x, 0.0, x.stride(0))
+    assert sandwich.residual.stride() == sandwich.x.stride() and sandwich.y.stride(1) == 1
+    return sandwich.y, (sandwich.residual, sandwich.weight, sandwich.x, sandwich.eps, sandwich.x.stride(0))
 
 
 def _gluon_applies(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, M: int) -> bool:
@@ -188,12 +230,14 @@ def fused_linear(
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     into_residual: bool = False,
+    sandwich: SandwichResidual | None = None,
 ) -> torch.Tensor:
     """act(rmsnorm(x) @ w.T + bias) + residual for x [M, K] (row-contiguous), in one kernel where it pays.
 
     With act=ACT_SWIGLU the weight holds [gate; up] rows and the result has half as many features.
     into_residual: the result overwrites `residual` (which the caller no longer needs), which spares cuBLAS
     the copy of the residual into a fresh output.
+    sandwich: x (sandwich.x) is not computed yet; this product computes and writes it.
     """
     M, K = x.shape
     n_total = w.shape[0]
@@ -205,6 +249,9 @@ def fused_linear(
         out = residual
     else:
         out = torch.empty((M, N), dtype=dtype, device=x.device)
+    if sandwich is not None and not (isinstance(w, BlockedInt4Weight) and M <= policy.matvec_max_rows):
+        write_sandwich_residual(policy, sandwich)
+        sandwich = None
     if isinstance(w, CudaTinygemmWeight):
         return _linear_unfused(policy, x, w, norm_weight, eps, bias, act, residual, out)
     res = residual if residual is not None else out
@@ -221,19 +268,24 @@ def fused_linear(
             M, policy.matvec_max_rows if isinstance(w, Int4Weight) else policy.matvec_16bit_max_rows
         )
     if on_cublas:
+        _written_first(policy, sandwich)
         return _linear_unfused(policy, x, w, norm_weight, eps, bias, act, residual, out)
     words, scale, minimum, group, is_int4 = _weight_parts(w)
     flags = dict(GROUP=group, INT4=is_int4, **epilogue)
     if isinstance(w, BlockedInt4Weight):
         del flags["INT4"]
-        if _gluon_applies(policy, x, w, M) and _gemv_gluon_rows(policy, x, w, ep):
+        # (where the Gluon GEMV wrote a pending sandwich residual and then failed to build, the kernel below
+        # computes it again, to the same values)
+        if _gluon_applies(policy, x, w, M) and _gemv_gluon_rows(policy, x, w, ep, sandwich):
             return out
         if M <= policy.matvec_max_rows:
-            args = (x, words, scale, minimum, out, res, nw, b, M, N, K, eps, x.stride(0), out.stride(0), res.stride(0))
+            y, sandwich_args = _sandwich_args(x, sandwich)
+            args = (y, words, scale, minimum, out, res, nw, b, M, N, K, eps, y.stride(0), out.stride(0), res.stride(0))
             block_n, block_b, warps = policy.blocked_tile(N, K, M)
             _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
-                *args, K // 8, K // group, **flags, BLOCK=w.block, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
-                BLOCK_B=block_b, num_warps=warps, **policy.register_cap(), **policy.pdl_options(),
+                *args, K // 8, K // group, *sandwich_args, **flags, SANDWICH=sandwich is not None, BLOCK=w.block,
+                ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_B=block_b, num_warps=warps,
+                **policy.register_cap(), **policy.pdl_options(),
             )  # fmt: skip
             return out
         return _splitk_linear(policy, x, w, ep)
@@ -458,10 +510,11 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     mode: int = 0,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """mode 0: norm(x); 1: residual + norm(x); 2: norm(x + residual). x [M, D]."""
     M, D = x.shape
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     res = residual if residual is not None else x
     _rms_norm_kernel[(M,)](
         x, res, weight, out, D, eps, x.stride(0), res.stride(0), out.stride(0), MODE=mode,
@@ -588,6 +641,9 @@ class CudaKernels:
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return add(self.policy, a, b)
+
+    def write_sandwich_residual(self, s: SandwichResidual) -> torch.Tensor:
+        return write_sandwich_residual(self.policy, s)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                  mode: int = 0) -> torch.Tensor:  # fmt: skip
