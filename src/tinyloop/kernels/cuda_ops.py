@@ -124,11 +124,8 @@ def _sm_count(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
-def _gemv_staged(
-    policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep: _Epilogue, sandwich: SandwichResidual | None
-) -> bool:
-    """Launches the staged GEMV (computing a pending sandwich residual on its way in); False where its plan does
-    not apply (or, once, where it does not build)."""
+def _gemv_staged(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep: _Epilogue) -> bool:
+    """Launches the staged GEMV; False where its plan does not apply (or, once, where it does not build)."""
     from triton.compiler.errors import CompilationError
     from triton.experimental.gluon.language import NVMMASharedLayout
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -159,11 +156,10 @@ def _gemv_staged(
     s_desc, m_desc = (TensorDescriptor(t, [rows, blocks], [blocks, 1], [TILE_ROWS, CHUNK_BLOCKS], group_layout)
                       for t in (w.scale, w.minimum))  # fmt: skip
     rows_per_thread, warps, register_cap = policy.staged_layout
-    y, sandwich_args = _sandwich_args(x, sandwich)
     try:
         _gemv_int4_staged_kernel[(plan.programs,)](
-            y, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, PRMT_HIGH_BYTE, *sandwich_args[:4],
-            SANDWICH=sandwich is not None, R=rows_per_thread, WR=warps, num_warps=warps,
+            x, w_desc, s_desc, m_desc, out, res, nw, b, N, K, eps, PRMT_HIGH_BYTE,
+            R=rows_per_thread, WR=warps, num_warps=warps,
             NORM=flags["NORM"], BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"],
             TILES=plan.tiles, KCH=plan.chunks, **policy.gluon_pdl_options(policy.staged_launch_dependents),
             **({"maxnreg": register_cap} if register_cap else {}),
@@ -179,14 +175,16 @@ def _gemv_gluon_rows(
     policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep: _Epilogue, sandwich: SandwichResidual | None
 ) -> bool:
     """One row: the staged GEMV where it is on and its plan applies; else (and for a few rows) the plain Gluon
-    one where it is on. False: neither ran (the Triton kernels then do; a sandwich residual may be written)."""
-    one_row = x.shape[0] == 1
-    if one_row and policy.staged_gemv and "staged" not in _UNBUILDABLE and _gemv_staged(policy, x, w, ep, sandwich):
-        return True
-    if not (policy.gluon_gemv and "gluon" not in _UNBUILDABLE):
+    one where it is on. False: neither ran (the Triton kernels then do; a sandwich residual may be written).
+    Neither Gluon GEMV computes a sandwich residual yet: the staged one's version awaits its GPU check (branch
+    sandwich-staged)."""
+    staged = x.shape[0] == 1 and policy.staged_gemv and "staged" not in _UNBUILDABLE
+    if not (staged or (policy.gluon_gemv and "gluon" not in _UNBUILDABLE)):
         return False
     _written_first(policy, sandwich)
-    return _gemv_gluon(policy, x, w, ep)
+    return (staged and _gemv_staged(policy, x, w, ep)) or (
+        policy.gluon_gemv and "gluon" not in _UNBUILDABLE and _gemv_gluon(policy, x, w, ep)
+    )
 
 
 def _sandwich_args(x: torch.Tensor, sandwich: SandwichResidual | None) -> tuple[torch.Tensor, tuple[Any, ...]]:

@@ -132,10 +132,6 @@ def _gemv_int4_staged_kernel(
     K,
     eps,
     magic,
-    sandwich_res_ptr,
-    sandwich_w_ptr,
-    sandwich_x_ptr,
-    sandwich_eps,
     NORM: gl.constexpr,
     BIAS: gl.constexpr,
     ACT: gl.constexpr,
@@ -145,13 +141,10 @@ def _gemv_int4_staged_kernel(
     R: gl.constexpr,
     WR: gl.constexpr,
     PDL: gl.constexpr,
-    SANDWICH: gl.constexpr,
 ):
     """out[n] = act(sum_k norm(x)_k w[n, k]) (+ residual) for one row x; rows pid * TILES * R * WR.. of w.
     w_desc: the words as [rows, blocks, 8] with [R * WR, 32, 8] boxes; s_desc / m_desc: scales and minimums
-    as [rows, blocks] with [R * WR, 32] boxes. SwiGLU (ACT 1) reads the up half N rows further down.
-    SANDWICH: x_ptr holds y and x = residual + rms_norm(y) * weight is computed on the way in (rounded as
-    triton_matmul._sandwich_sum rounds) and written by program 0."""
+    as [rows, blocks] with [R * WR, 32] boxes. SwiGLU (ACT 1) reads the up half N rows further down."""
     # A thread holds R rows x 4 words of two 64-column blocks; a warp the 32 blocks (x 2 half-blocks) of a
     # chunk for its rows, so that no sum over blocks crosses warps (no barrier per tile).
     L3: gl.constexpr = gl.BlockedLayout([R, 2, 4], [1, 16, 2], [WR, 1, 1], [2, 1, 0])
@@ -175,25 +168,9 @@ def _gemv_int4_staged_kernel(
     blk = gl.expand_dims(gl.expand_dims(gl.arange(0, _CHUNK, layout=gl.SliceLayout(0, gl.SliceLayout(2, XS))), 0), 2)
     word = gl.expand_dims(gl.expand_dims(gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, XS))), 0), 1)
     sumsq = gl.zeros([8, _CHUNK, 8], gl.float32, layout=XS)
-    sandwich_rstd = 0.0
-    if SANDWICH:
-        for c in gl.static_range(KCH):
-            cols = (c * _CHUNK + blk) * 64 + nib * 8 + word
-            yv = gl.load(x_ptr + cols, mask=cols < K, other=0.0).to(gl.float32)
-            sumsq += yv * yv
-        sandwich_rstd = 1.0 / gl.sqrt(gl.sum(gl.sum(gl.sum(sumsq, axis=2), axis=1), axis=0) / K + sandwich_eps)
-        sumsq = gl.zeros([8, _CHUNK, 8], gl.float32, layout=XS)
     for c in gl.static_range(KCH):
         cols = (c * _CHUNK + blk) * 64 + nib * 8 + word
-        xv = gl.load(x_ptr + cols, mask=cols < K, other=0.0)
-        if SANDWICH:
-            dt = xv.dtype
-            g = gl.load(sandwich_w_ptr + cols, mask=cols < K, other=0.0).to(dt).to(gl.float32)
-            normed = ((xv.to(gl.float32) * sandwich_rstd).to(dt).to(gl.float32) * g).to(dt)
-            res = gl.load(sandwich_res_ptr + cols, mask=cols < K, other=0.0).to(gl.float32)
-            xv = (normed.to(gl.float32) + res).to(dt)
-            gl.store(sandwich_x_ptr + cols, xv, mask=(cols < K) & (gl.program_id(0) == 0))
-        xv = xv.to(gl.float32)
+        xv = gl.load(x_ptr + cols, mask=cols < K, other=0.0).to(gl.float32)
         if NORM:
             sumsq += xv * xv
             xv = xv * gl.load(nw_ptr + cols, mask=cols < K, other=0.0).to(gl.float32)
