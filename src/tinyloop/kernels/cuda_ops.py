@@ -179,12 +179,11 @@ def _gemv_gluon_rows(
     Neither Gluon GEMV computes a sandwich residual yet: the staged one's version awaits its GPU check (branch
     sandwich-staged)."""
     staged = x.shape[0] == 1 and policy.staged_gemv and "staged" not in _UNBUILDABLE
-    if not (staged or (policy.gluon_gemv and "gluon" not in _UNBUILDABLE)):
+    gluon = policy.gluon_gemv and "gluon" not in _UNBUILDABLE
+    if not (staged or gluon):
         return False
     _written_first(policy, sandwich)
-    return (staged and _gemv_staged(policy, x, w, ep)) or (
-        policy.gluon_gemv and "gluon" not in _UNBUILDABLE and _gemv_gluon(policy, x, w, ep)
-    )
+    return (staged and _gemv_staged(policy, x, w, ep)) or (gluon and _gemv_gluon(policy, x, w, ep))
 
 
 def _sandwich_args(x: torch.Tensor, sandwich: SandwichResidual | None) -> tuple[torch.Tensor, tuple[Any, ...]]:

@@ -469,10 +469,14 @@ class _FusedOps:
 
     def _ready(self, x: torch.Tensor) -> torch.Tensor:
         """x, written if it is a pending sandwich residual."""
-        pending = self._pending.pop(id(x), None)
+        pending = self._take(x)
         if pending is not None:
             self.k.write_sandwich_residual(pending)
         return x
+
+    def _take(self, x: torch.Tensor) -> SandwichResidual | None:
+        """x's pending sandwich residual, for the product about to read x to compute (None: x is written)."""
+        return self._pending.pop(id(x), None)
 
     def finish(self) -> None:
         """Every sandwich residual still pending, written (a step's outputs all pass through ops that write theirs:
@@ -495,7 +499,7 @@ class _FusedOps:
         cfg, eng, k = self.cfg, self.eng, self.k
         residual = None if residual is None else self._ready(residual)
         qkv = k.fused_linear(x, self._w(lw.qkv), norm_weight=lw.attn_norm.weight, eps=cfg.norm_eps,
-                             bias=self.dec._qkv_bias[id(lw)], sandwich=self._pending.pop(id(x), None))  # fmt: skip
+                             bias=self.dec._qkv_bias[id(lw)], sandwich=self._take(x))  # fmt: skip
         k_cache, v_cache = self.cache.k[slot], self.cache.v[slot]
         interleaved = cfg.rope_pairing == "interleaved"
         if self.T == 1 and ROPE_ATTENTION_ONE_KERNEL and not k.policy.batch_invariant:
@@ -562,7 +566,7 @@ class _FusedOps:
         up = lw.gate_up if lw.gate_up is not None else lw.up
         assert up is not None
         return self.k.fused_linear(x, self._w(up), norm_weight=lw.mlp_norm.weight, eps=self.cfg.norm_eps, act=act,
-                                   sandwich=self._pending.pop(id(x), None))  # fmt: skip
+                                   sandwich=self._take(x))  # fmt: skip
 
     def norm(self, x: torch.Tensor, n: Norm) -> torch.Tensor:
         return self.k.rms_norm(self._ready(x), n.weight, self.cfg.norm_eps)
