@@ -2,14 +2,14 @@
 
     PYTHONPATH=src python3 bench/gpu_suite.py --out $OUT/gpu_suite.json [--only SECTION ...] [--quick]
 
-Sections: env (device, versions, copy bandwidth), correctness (GPU against the CPU float32 path: the built-in
-model in every dtype and attention switch, seed-407m in bf16 and float32), quick_correctness (the INT4 kernels
-against float64, the built-in model, seed-407m in float32 unless --quick), headline (seed-407m INT4 at 8 loops
-and the Ouro-1.4B shape at 4 loops: decode 128 after 128, prefill 128 / 1,024, VRAM), seed407m (headline's
-seed-407m row, the fp16 body, decode tokens/s against loops, self-speculative decoding), ouro, speculative,
-profile (kernel time per decode token, PDL on and off), timeline (one decode step's kernels in order, PDL on and
-off), prefill_profile, tiny_prefill (the built-in model's float32 prefill), l2 (L2 residency off against on),
-stochastic (cross-iteration rounding kernels, bench/cross_iter_gpu.py), cli (`tinyloop FILE benchmark`).
+Sections: env (device, versions, copy bandwidth), correctness (GPU against the CPU float32 path: the built-in model
+in every dtype and attention switch, seed-407m in bf16 and float32, the Ouro shape in float32), quick_correctness
+(the INT4 kernels against float64, the built-in model, seed-407m in float32 unless --quick), headline (seed-407m
+INT4 at 8 loops and the Ouro-1.4B shape at 4 loops: decode 128 after 128, prefill 128 / 1,024, VRAM), seed407m
+(headline's seed-407m row, the fp16 body, decode tokens/s against loops, self-speculative decoding), ouro,
+speculative, profile (kernel time per decode token, PDL on and off), timeline (one decode step's kernels in order,
+PDL on and off), prefill_profile, tiny_prefill (the built-in model's float32 prefill), l2 (L2 residency off against
+on), stochastic (cross-iteration rounding kernels, bench/cross_iter_gpu.py), cli (`tinyloop FILE benchmark`).
 Every section saves the JSON so far; a failing section records its traceback and the rest still run.
 Random-weight models are written to /tmp on first use (tinyloop-convert --random).
 """
@@ -166,6 +166,10 @@ def correctness_section() -> dict[str, Any]:
     sid = rng.integers(0, 32000, 160).astype(np.int32)
     res["seed407m_bf16"] = compare_model(SEED_PATH, sid, 8, [sid[:16]])
     res["seed407m_f32"] = compare_model(SEED_PATH, sid, 8, [sid[:16]], dtype=torch.float32)
+    # Sandwich norms, exit gates, no prelude or coda: the paths seed-407m (pre-norm) never takes.
+    wait_for_models(OURO_PATH)
+    oid = rng.integers(0, 49152, 160).astype(np.int32)
+    res["ouro_shape_f32"] = compare_model(OURO_PATH, oid, 4, [oid[:16]], dtype=torch.float32)
     return res
 
 
