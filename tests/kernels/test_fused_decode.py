@@ -16,6 +16,7 @@ from tinyloop.kernels.policy import PersistentMlpTile
 from tinyloop.model.looped import Resume
 from tinyloop.model.weights import ModelWeights
 from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, Int4Weight, quantize_int4
+from tinyloop.runtime import fused_decode
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.fused_decode import FusedDecoder
 
@@ -112,11 +113,20 @@ def test_sandwich_residuals_are_written_by_the_products_that_read_them(
     for eng, cache in zip((fused, generic), caches, strict=True):
         eng.step(tokens[:, :5], cache, loops)
     monkeypatch.setattr(cuda_ops, "rms_norm", counting)
+    left_pending: list[int] = []
+    original_finish = fused_decode._FusedOps.finish
+
+    def finish(ops: fused_decode._FusedOps) -> None:
+        left_pending.append(len(ops._pending))
+        original_finish(ops)
+
+    monkeypatch.setattr(fused_decode._FusedOps, "finish", finish)
     got = fused.step(tokens[:, 5:], caches[0], loops, last_only=True).logits
     want = generic.step(tokens[:, 5:], caches[1], loops, last_only=True).logits
     assert max_rel_error(got, want) <= 1e-4
     final_norms, post_norms = loops, loops if blocked else 2 * cfg.n_body * loops
     assert len(launches) == final_norms + post_norms
+    assert left_pending == [0]  # every pending residual was read by an op, none left to the guard
 
 
 def test_one_row_attention_takes_its_long_cache_tile_from_long_cache_keys(monkeypatch: pytest.MonkeyPatch) -> None:
