@@ -63,12 +63,6 @@ def write_sandwich_residual(policy: KernelPolicy, s: SandwichResidual) -> torch.
     return rms_norm(policy, s.y, s.weight, s.eps, s.residual, 1, out=s.x)
 
 
-def _written_first(policy: KernelPolicy, sandwich: SandwichResidual | None) -> None:
-    """For kernels that read x as it is: a pending sandwich residual written first."""
-    if sandwich is not None:
-        write_sandwich_residual(policy, sandwich)
-
-
 @dataclass(frozen=True)
 class _Epilogue:
     """What a fused product does around its multiply and where it writes: x's rms norm with `norm_weight`,
@@ -182,7 +176,8 @@ def _gemv_gluon_rows(
     gluon = policy.gluon_gemv and "gluon" not in _UNBUILDABLE
     if not (staged or gluon):
         return False
-    _written_first(policy, sandwich)
+    if sandwich is not None:
+        write_sandwich_residual(policy, sandwich)
     return (staged and _gemv_staged(policy, x, w, ep)) or (gluon and _gemv_gluon(policy, x, w, ep))
 
 
@@ -246,7 +241,10 @@ def fused_linear(
         out = residual
     else:
         out = torch.empty((M, N), dtype=dtype, device=x.device)
-    if sandwich is not None and not (isinstance(w, BlockedInt4Weight) and M <= policy.matvec_max_rows):
+    # Only the blocked layout's GEMVs (up to matvec_max_rows rows) compute a pending sandwich residual; for any
+    # other kernel it is written first.
+    gemv_rows = isinstance(w, BlockedInt4Weight) and M <= policy.matvec_max_rows and not policy.int4_rows_on_cublas(M)
+    if sandwich is not None and not gemv_rows:
         write_sandwich_residual(policy, sandwich)
         sandwich = None
     if isinstance(w, CudaTinygemmWeight):
@@ -265,7 +263,6 @@ def fused_linear(
             M, policy.matvec_max_rows if isinstance(w, Int4Weight) else policy.matvec_16bit_max_rows
         )
     if on_cublas:
-        _written_first(policy, sandwich)
         return _linear_unfused(policy, x, w, norm_weight, eps, bias, act, residual, out)
     words, scale, minimum, group, is_int4 = _weight_parts(w)
     flags = dict(GROUP=group, INT4=is_int4, **epilogue)
