@@ -129,6 +129,28 @@ def test_sandwich_residuals_are_written_by_the_products_that_read_them(
     assert left_pending == [0]  # every pending residual was read by an op, none left to the guard
 
 
+def test_batched_sandwich_residual_steps_equal_each_row_alone() -> None:
+    """Three Ouro-like rows at different lengths in one step (the blocked GEMV computing each row's pending residual
+    in a 3-row launch) give each row's logits from the same step run alone."""
+    cfg, _, fused, _ = build("ouro-like", True)
+    loops, gen = 2, torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, cfg.vocab_size, (1, n), generator=gen) for n in (5, 3, 7)]
+    nxt = torch.randint(0, cfg.vocab_size, (3, 1), generator=gen)
+    alone = []
+    for i, p in enumerate(prompts):
+        cache = fused.new_cache(1, 16, loops)
+        fused.step(p, cache, loops)
+        alone.append(fused.step(nxt[i : i + 1], cache, loops, last_only=True).logits[0])
+    cache = fused.new_cache(3, 16, loops)
+    padded = torch.zeros(3, 7, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        padded[i, : p.shape[1]] = p[0]
+    fused.step(padded, cache, loops, valid=torch.tensor([5, 3, 7]))
+    together = fused.step(nxt, cache, loops, last_only=True).logits
+    for i in range(3):
+        assert max_rel_error(together[i], alone[i]) <= 1e-4
+
+
 def test_one_row_attention_takes_its_long_cache_tile_from_long_cache_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     """A one-row decode whose cache grows past long_cache_keys switches to the long tile there (several live splits
     merged), with the naive reference's logits on both sides."""
