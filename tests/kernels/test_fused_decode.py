@@ -16,7 +16,6 @@ from tinyloop.kernels.policy import PersistentMlpTile
 from tinyloop.model.looped import Resume
 from tinyloop.model.weights import ModelWeights
 from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, Int4Weight, quantize_int4
-from tinyloop.runtime import fused_decode
 from tinyloop.runtime.engine import Engine
 from tinyloop.runtime.fused_decode import FusedDecoder
 
@@ -91,47 +90,9 @@ def test_fused_decode_matches_naive(variant: str) -> None:
     assert max_rel_error(torch.cat(got), ref_logits[prompt:]) <= 1e-4
 
 
-@pytest.mark.parametrize("blocked", [True, False], ids=["blocked", "plain"])
-def test_sandwich_residuals_are_written_by_the_products_that_read_them(
-    blocked: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """An Ouro-like one-row step: each sublayer's residual + post-norm is computed by the next normed product on its
-    way in (the blocked GEMV); only the last one of an iteration, which the loop's final norm reads, takes a norm
-    launch of its own. With the plain layout's kernel a norm launch writes every one first. The same logits either
-    way (against naive float64: test_fused_decode_matches_naive)."""
-    cfg, _, fused, generic = build("ouro-like", blocked)
-    launches: list[int] = []
-    original = cuda_ops.rms_norm
-
-    def counting(*args: object, **kwargs: object) -> torch.Tensor:
-        launches.append(1)
-        return original(*args, **kwargs)  # type: ignore[arg-type]
-
-    loops = 2
-    tokens = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
-    caches = [e.new_cache(1, 16, loops) for e in (fused, generic)]
-    for eng, cache in zip((fused, generic), caches, strict=True):
-        eng.step(tokens[:, :5], cache, loops)
-    monkeypatch.setattr(cuda_ops, "rms_norm", counting)
-    left_pending: list[int] = []
-    original_finish = fused_decode._FusedOps.finish
-
-    def finish(ops: fused_decode._FusedOps) -> None:
-        left_pending.append(len(ops._pending))
-        original_finish(ops)
-
-    monkeypatch.setattr(fused_decode._FusedOps, "finish", finish)
-    got = fused.step(tokens[:, 5:], caches[0], loops, last_only=True).logits
-    want = generic.step(tokens[:, 5:], caches[1], loops, last_only=True).logits
-    assert max_rel_error(got, want) <= 1e-4
-    final_norms, post_norms = loops, loops if blocked else 2 * cfg.n_body * loops
-    assert len(launches) == final_norms + post_norms
-    assert left_pending == [0]  # every pending residual was read by an op, none left to the guard
-
-
-def test_batched_sandwich_residual_steps_equal_each_row_alone() -> None:
-    """Three Ouro-like rows at different lengths in one step (the blocked GEMV computing each row's pending residual
-    in a 3-row launch) give each row's logits from the same step run alone."""
+def test_batched_ouro_like_steps_equal_each_row_alone() -> None:
+    """Three Ouro-like (sandwich-norm) rows at different lengths in one step (a 3-row blocked GEMV launch) give each
+    row's logits from the same step run alone."""
     cfg, _, fused, _ = build("ouro-like", True)
     loops, gen = 2, torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, cfg.vocab_size, (1, n), generator=gen) for n in (5, 3, 7)]

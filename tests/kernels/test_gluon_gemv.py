@@ -92,19 +92,13 @@ def test_dispatch_order(monkeypatch: pytest.MonkeyPatch, staged_on: bool, staged
     policy = KernelPolicy(staged_gemv=staged_on, gluon_gemv=gluon_on)
     monkeypatch.setattr(cuda_ops, "_gemv_staged", lambda *a: calls.append("staged") or staged_runs)
     monkeypatch.setattr(cuda_ops, "_gemv_gluon", lambda *a: calls.append("gluon") or True)
-    monkeypatch.setattr(cuda_ops, "write_sandwich_residual", lambda *a: calls.append("write"))
-    ran = cuda_ops._gemv_gluon_rows(policy, torch.randn(1, 64), None, None, None)
+    ran = cuda_ops._gemv_gluon_rows(policy, torch.randn(1, 64), None, None)
     assert calls == expected
     assert ran == ((staged_on and staged_runs) or gluon_on)
 
     calls.clear()
-    assert cuda_ops._gemv_gluon_rows(policy, torch.randn(2, 64), None, None, None) == gluon_on
+    assert cuda_ops._gemv_gluon_rows(policy, torch.randn(2, 64), None, None) == gluon_on
     assert calls == (["gluon"] if gluon_on else [])  # the staged GEMV is one row's only
-
-    # A pending sandwich residual: written first for either Gluon GEMV; left to the Triton one where none is on.
-    calls.clear()
-    cuda_ops._gemv_gluon_rows(policy, torch.randn(1, 64), None, None, "pending")  # type: ignore[arg-type]
-    assert calls == (["write"] if staged_on or gluon_on else []) + expected
 
 
 @pytest.mark.parametrize(("n", "k", "act"), [(6144, 2048, 0), (5632, 2048, 1), (2048, 5632, 0), (32000, 2048, 0),

@@ -317,36 +317,6 @@ def test_dequantize_int4_is_exact() -> None:
     assert torch.equal(ops.dequantize_int4(q, torch.float32), q.dequantize())
 
 
-@pytest.mark.parametrize(("dtype", "rows", "blocked"), [(torch.float32, 1, True), (torch.bfloat16, 3, True),
-                                                     (torch.float32, 2, False), (torch.float32, 40, True)])  # fmt: skip
-def test_a_pending_sandwich_residual_is_written_by_the_product_that_reads_it(
-    dtype: torch.dtype, rows: int, blocked: bool
-) -> None:
-    """x = residual + rms_norm(y) * gain, pending, read by a normed SwiGLU product: the blocked GEMV computes x on
-    its way in and writes every element of it once; other kernels (plain layout; more rows than the GEMV takes)
-    have it written first. Both against float64, and against the norm launch followed by the product."""
-    gen = torch.Generator().manual_seed(rows)
-    K, N = 320, 37
-    plain = quantize_int4(torch.randn(2 * N, K, generator=gen) / K**0.5, 64)
-    weight, dense = BlockedInt4Weight.from_int4(plain) if blocked else plain, plain.dequantize(torch.float64)
-    y, residual = (3 * torch.randn(rows, K, generator=gen)).to(dtype), torch.randn(rows, K, generator=gen).to(dtype)
-    gain, norm = (1 + 0.1 * torch.randn(K, generator=gen) for _ in range(2))
-    x = torch.full_like(residual, float("nan"))
-    pending = cuda_ops.SandwichResidual(y, residual, gain, 1e-6, x)
-    got = ops.fused_linear(x, weight, act=ops.ACT_SWIGLU, norm_weight=norm, eps=1e-6, sandwich=pending)
-    written = ops.rms_norm(y, gain, 1e-6, residual, 1)
-    two_launches = ops.fused_linear(written, weight, act=ops.ACT_SWIGLU, norm_weight=norm, eps=1e-6)
-    yd = y.double()
-    want_x = residual.double() + yd * torch.rsqrt(yd.pow(2).mean(-1, keepdim=True) + 1e-6) * gain.double()
-    tol = {torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
-    assert not bool(x.isnan().any())
-    assert frob_rel_error(x, want_x) <= tol
-    assert frob_rel_error(got, reference(x.double(), dense, act=ops.ACT_SWIGLU, norm=norm)) <= tol
-    # rounded at the same points as the norm launch: at most a last-bit difference where the sums' order differs
-    assert frob_rel_error(x, written.double()) <= {torch.float32: 1e-7, torch.bfloat16: 1e-3}[dtype]
-    assert frob_rel_error(got, two_launches.double()) <= tol / 4
-
-
 @pytest.mark.parametrize("mode", [0, 1, 2])
 def test_rms_norm_modes(mode: int) -> None:
     gen = torch.Generator().manual_seed(mode)

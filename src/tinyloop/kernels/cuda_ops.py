@@ -33,7 +33,7 @@ from tinyloop.kernels.triton_norm import _rms_norm_kernel
 from tinyloop.log import info
 from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, CudaTinygemmWeight, Int4Weight
 
-__all__ = ["ACT_GELU", "ACT_NONE", "ACT_SWIGLU", "CudaKernels", "KernelPolicy", "ProductWeight", "SandwichResidual"]
+__all__ = ["ACT_GELU", "ACT_NONE", "ACT_SWIGLU", "CudaKernels", "KernelPolicy", "ProductWeight"]
 
 # What a product multiplies: a model weight, or a decoder's tinygemm repack of an INT4 one.
 # What cuBLAS-sized (unfused) products multiply, and what any product may.
@@ -43,24 +43,6 @@ ProductWeight = UnfusedWeight | CudaMmaInt4Weight
 # Gluon kernels that failed to compile with the installed Triton ("gluon", "staged"): a fact about this
 # process's Triton, recorded once so that later launches go straight to the Triton kernel.
 _UNBUILDABLE: set[str] = set()
-
-
-@dataclass(frozen=True)
-class SandwichResidual:
-    """x = residual + rms_norm(y) * weight, the residual stream after a sandwich-out sublayer (Ouro), not yet
-    computed: the product that reads x next computes it on its way in and writes it to `x` (saving a norm launch
-    per sublayer), or a norm launch does first where that product's kernel cannot."""
-
-    y: torch.Tensor
-    residual: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-    x: torch.Tensor
-
-
-def write_sandwich_residual(policy: KernelPolicy, s: SandwichResidual) -> torch.Tensor:
-    """s.x, computed by a norm launch."""
-    return rms_norm(policy, s.y, s.weight, s.eps, s.residual, 1, out=s.x)
 
 
 @dataclass(frozen=True)
@@ -165,29 +147,13 @@ def _gemv_staged(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep
     return True
 
 
-def _gemv_gluon_rows(
-    policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep: _Epilogue, sandwich: SandwichResidual | None
-) -> bool:
+def _gemv_gluon_rows(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, ep: _Epilogue) -> bool:
     """One row: the staged GEMV where it is on and its plan applies; else (and for a few rows) the plain Gluon
-    one where it is on. False: neither ran (the Triton kernels then do; a sandwich residual may be written).
-    Neither Gluon GEMV computes a sandwich residual yet: the staged one's version awaits its GPU check (branch
-    sandwich-staged)."""
-    staged = x.shape[0] == 1 and policy.staged_gemv and "staged" not in _UNBUILDABLE
-    gluon = policy.gluon_gemv and "gluon" not in _UNBUILDABLE
-    if not (staged or gluon):
-        return False
-    if sandwich is not None:
-        write_sandwich_residual(policy, sandwich)
-    return (staged and _gemv_staged(policy, x, w, ep)) or (gluon and _gemv_gluon(policy, x, w, ep))
-
-
-def _sandwich_args(x: torch.Tensor, sandwich: SandwichResidual | None) -> tuple[torch.Tensor, tuple[Any, ...]]:
-    """What a kernel that computes a pending sandwich residual reads as x (y), and its residual, weight, output,
-    eps and row stride (x's own, unread, where none is pending)."""
-    if sandwich is None:
-        return x, (x, x, x, 0.0, x.stride(0))
-    assert sandwich.residual.stride() == sandwich.x.stride() and sandwich.y.stride(1) == 1
-    return sandwich.y, (sandwich.residual, sandwich.weight, sandwich.x, sandwich.eps, sandwich.x.stride(0))
+    one where it is on. False: neither ran (the Triton kernels then do)."""
+    one_row = x.shape[0] == 1
+    if one_row and policy.staged_gemv and "staged" not in _UNBUILDABLE and _gemv_staged(policy, x, w, ep):
+        return True
+    return policy.gluon_gemv and "gluon" not in _UNBUILDABLE and _gemv_gluon(policy, x, w, ep)
 
 
 def _gluon_applies(policy: KernelPolicy, x: torch.Tensor, w: BlockedInt4Weight, M: int) -> bool:
@@ -222,14 +188,12 @@ def fused_linear(
     residual: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     into_residual: bool = False,
-    sandwich: SandwichResidual | None = None,
 ) -> torch.Tensor:
     """act(rmsnorm(x) @ w.T + bias) + residual for x [M, K] (row-contiguous), in one kernel where it pays.
 
     With act=ACT_SWIGLU the weight holds [gate; up] rows and the result has half as many features.
     into_residual: the result overwrites `residual` (which the caller no longer needs), which spares cuBLAS
     the copy of the residual into a fresh output.
-    sandwich: x (sandwich.x) is not computed yet; this product computes and writes it.
     """
     M, K = x.shape
     n_total = w.shape[0]
@@ -241,12 +205,6 @@ def fused_linear(
         out = residual
     else:
         out = torch.empty((M, N), dtype=dtype, device=x.device)
-    # Only the blocked layout's GEMVs (up to matvec_max_rows rows) compute a pending sandwich residual; for any
-    # other kernel it is written first.
-    gemv_rows = isinstance(w, BlockedInt4Weight) and M <= policy.matvec_max_rows and not policy.int4_rows_on_cublas(M)
-    if sandwich is not None and not gemv_rows:
-        write_sandwich_residual(policy, sandwich)
-        sandwich = None
     if isinstance(w, CudaTinygemmWeight):
         return _linear_unfused(policy, x, w, norm_weight, eps, bias, act, residual, out)
     res = residual if residual is not None else out
@@ -268,18 +226,14 @@ def fused_linear(
     flags = dict(GROUP=group, INT4=is_int4, **epilogue)
     if isinstance(w, BlockedInt4Weight):
         del flags["INT4"]
-        # (where the Gluon GEMV wrote a pending sandwich residual and then failed to build, the kernel below
-        # computes it again, to the same values)
-        if _gluon_applies(policy, x, w, M) and _gemv_gluon_rows(policy, x, w, ep, sandwich):
+        if _gluon_applies(policy, x, w, M) and _gemv_gluon_rows(policy, x, w, ep):
             return out
         if M <= policy.matvec_max_rows:
-            y, sandwich_args = _sandwich_args(x, sandwich)
-            args = (y, words, scale, minimum, out, res, nw, b, M, N, K, eps, y.stride(0), out.stride(0), res.stride(0))
+            args = (x, words, scale, minimum, out, res, nw, b, M, N, K, eps, x.stride(0), out.stride(0), res.stride(0))
             block_n, block_b, warps = policy.blocked_tile(N, K, M)
             _gemv_blocked_int4_kernel[(triton.cdiv(N, block_n),)](
-                *args, K // 8, K // group, *sandwich_args, **flags, SANDWICH=sandwich is not None, BLOCK=w.block,
-                ROWS=triton.next_power_of_2(M), BLOCK_N=block_n, BLOCK_B=block_b, num_warps=warps,
-                **policy.register_cap(), **policy.pdl_options(),
+                *args, K // 8, K // group, **flags, BLOCK=w.block, ROWS=triton.next_power_of_2(M), BLOCK_N=block_n,
+                BLOCK_B=block_b, num_warps=warps, **policy.register_cap(), **policy.pdl_options(),
             )  # fmt: skip
             return out
         return _splitk_linear(policy, x, w, ep)
@@ -504,11 +458,10 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     mode: int = 0,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """mode 0: norm(x); 1: residual + norm(x); 2: norm(x + residual). x [M, D]."""
     M, D = x.shape
-    out = torch.empty_like(x) if out is None else out
+    out = torch.empty_like(x)
     res = residual if residual is not None else x
     _rms_norm_kernel[(M,)](
         x, res, weight, out, D, eps, x.stride(0), res.stride(0), out.stride(0), MODE=mode,
@@ -635,9 +588,6 @@ class CudaKernels:
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return add(self.policy, a, b)
-
-    def write_sandwich_residual(self, s: SandwichResidual) -> torch.Tensor:
-        return write_sandwich_residual(self.policy, s)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
                  mode: int = 0) -> torch.Tensor:  # fmt: skip

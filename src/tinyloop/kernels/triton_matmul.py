@@ -255,11 +255,6 @@ def _gemv_blocked_int4_kernel(
     stride_rm,
     stride_w,
     stride_g,
-    sandwich_res_ptr,
-    sandwich_w_ptr,
-    sandwich_x_ptr,
-    sandwich_eps,
-    stride_sm,
     GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
     NORM: tl.constexpr,
@@ -270,14 +265,11 @@ def _gemv_blocked_int4_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr,
     PDL: tl.constexpr,
-    SANDWICH: tl.constexpr,
 ):
     """1..ROWS rows times an INT4 matrix in the blocked layout (quant.BlockedInt4Weight: word i of a
     BLOCK-column block holds column (BLOCK / 8) j + i), so a thread's consecutive words need consecutive x
     values for each nibble j and both load as vectors in the same register layout. Per block (one group):
-    sum_k x_k q_k = 16 (sum_k x_k (1 + q_k / 16) - sum_k x_k), then scale and minimum once per block.
-    SANDWICH: x_ptr holds y and x is computed on the way in, x = residual + rms_norm(y) * weight
-    (cuda_ops.SandwichResidual; rounded as `_rms_norm_kernel` MODE 1 rounds), and written by program 0."""
+    sum_k x_k q_k = 16 (sum_k x_k (1 + q_k / 16) - sum_k x_k), then scale and minimum once per block."""
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
@@ -300,9 +292,6 @@ def _gemv_blocked_int4_kernel(
             w_ptr, s_ptr, m_ptr, rows + N, row_mask, blk, n_blocks, stride_w, stride_g, GROUP, BLOCK
         )
     _wait_for_previous_kernel(PDL)
-    sandwich_rstd = tl.zeros((ROWS,), tl.float32)
-    if SANDWICH:
-        sandwich_rstd = _row_rstd(x_ptr, stride_xm, offs_m, m_mask, K, sandwich_eps, 256)
     # x (and the norm gain) is read through pointers of the weight tile's full shape [rows, blocks, words]
     # so that it lands in the tile's register layout.
     zero_rows = (rows * 0)[:, None, None]
@@ -323,12 +312,6 @@ def _gemv_blocked_int4_kernel(
         for j in tl.static_range(8):
             cols = zero_rows + (blk * BLOCK + WORDS * j)[None, :, None] + offs_i[None, None, :]
             xj = tl.load(x_ptr + offs_m[:, None, None, None] * stride_xm + cols[None], mask=x_mask, other=0.0)
-            if SANDWICH:
-                at = offs_m[:, None, None, None] * stride_sm + cols[None]
-                xj = _sandwich_sum(xj, sandwich_rstd[:, None, None, None], sandwich_w_ptr + cols[None],
-                                   sandwich_res_ptr + at, x_mask)  # fmt: skip
-                # one program's first weight row writes x, once per column
-                tl.store(sandwich_x_ptr + at, xj, mask=x_mask & (rows == 0)[None, :, None, None])
             xj = xj.to(tl.float32)
             if NORM:
                 sumsq += xj * xj
@@ -351,17 +334,6 @@ def _gemv_blocked_int4_kernel(
     _epilogue(
         y, y_up, offs_m, m_mask, rows, row_mask, out_ptr, stride_om, res_ptr, stride_rm, b_ptr, BIAS, ACT, RESIDUAL
     )
-
-
-@triton.jit
-def _sandwich_sum(y, rstd, w_ptrs, res_ptrs, mask):
-    """residual + rms_norm(y) * weight in y's dtype, rounded as `_rms_norm_kernel` MODE 1 rounds: the normalised
-    value to the dtype, times the weight in it, then the sum."""
-    dt = y.dtype
-    w = tl.load(w_ptrs, mask=mask, other=0.0).to(dt).to(tl.float32)
-    normed = ((y.to(tl.float32) * rstd).to(dt).to(tl.float32) * w).to(dt)
-    res = tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
-    return (normed.to(tl.float32) + res).to(dt)
 
 
 @triton.jit

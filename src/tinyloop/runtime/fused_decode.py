@@ -24,7 +24,7 @@ import torch
 from tinyloop.cache.kv import KVCache
 from tinyloop.kernels import cuda_ops, gluon_int4_mma, l2_residency
 from tinyloop.kernels.attention_backend import sdpa
-from tinyloop.kernels.cuda_ops import CudaKernels, ProductWeight, SandwichResidual, dequantize_int4
+from tinyloop.kernels.cuda_ops import CudaKernels, ProductWeight, dequantize_int4
 from tinyloop.kernels.dispatch import Weight, embedding
 from tinyloop.kernels.one_token import OneTokenAttention
 from tinyloop.log import detail, info
@@ -432,9 +432,7 @@ class FusedDecoder:
         position 0; long_cache: a one-token step attends to the policy's long_cache_keys or more."""
         B, T = step.tokens.shape
         ops = _FusedOps(self, cache, positions, B, T, step.last_only, last_index, span, long_cache)
-        out = run(ops, self.engine.weights, self.cfg, step.tokens, step.loops, resume=step.resume)
-        ops.finish()
-        return out
+        return run(ops, self.engine.weights, self.cfg, step.tokens, step.loops, resume=step.resume)
 
     def _gate_logit(self, s: torch.Tensor) -> torch.Tensor:
         """The exit gate's logit per row in float32: for decode-sized steps one matvec launch in the PDL
@@ -461,28 +459,8 @@ class _FusedOps:
         self.substitutes = dec.step_weights(B, T)
         self.mask: torch.Tensor | None = None
         self.per_query_attention = T <= FUSED_ATTENTION_MAX_TOKENS or dec.kernels.policy.batch_invariant
-        # Sandwich residuals not yet written (SandwichResidual), by their output's id: the next product to read
-        # one computes it on its way in; every other op writes it first (`_ready`).
-        self._pending: dict[int, SandwichResidual] = {}
         if span is not None and not self.per_query_attention:
             self.mask = position_mask(positions.view(B, T), span)
-
-    def _ready(self, x: torch.Tensor) -> torch.Tensor:
-        """x, written if it is a pending sandwich residual."""
-        pending = self._take(x)
-        if pending is not None:
-            self.k.write_sandwich_residual(pending)
-        return x
-
-    def _take(self, x: torch.Tensor) -> SandwichResidual | None:
-        """x's pending sandwich residual, for the product about to read x to compute (None: x is written)."""
-        return self._pending.pop(id(x), None)
-
-    def finish(self) -> None:
-        """Every sandwich residual still pending, written (a step's outputs all pass through ops that write theirs:
-        this is the guard)."""
-        for pending in list(self._pending.values()):
-            self._ready(pending.x)
 
     def _w(self, w: Weight) -> ProductWeight:
         """The weight this step multiplies: its tinygemm repack or 16-bit copy where the step takes one, else w."""
@@ -497,9 +475,8 @@ class _FusedOps:
         self, x: torch.Tensor, lw: LayerWeights, slot: int, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
         cfg, eng, k = self.cfg, self.eng, self.k
-        residual = None if residual is None else self._ready(residual)
         qkv = k.fused_linear(x, self._w(lw.qkv), norm_weight=lw.attn_norm.weight, eps=cfg.norm_eps,
-                             bias=self.dec._qkv_bias[id(lw)], sandwich=self._take(x))  # fmt: skip
+                             bias=self.dec._qkv_bias[id(lw)])  # fmt: skip
         k_cache, v_cache = self.cache.k[slot], self.cache.v[slot]
         interleaved = cfg.rope_pairing == "interleaved"
         if self.T == 1 and ROPE_ATTENTION_ONE_KERNEL and not k.policy.batch_invariant:
@@ -538,26 +515,18 @@ class _FusedOps:
         self, h: torch.Tensor, w: Weight, residual: torch.Tensor | None = None, *, into_residual: bool = False
     ) -> torch.Tensor:
         product_weight = self._w(w)
-        h = self._ready(h)
         if residual is None:
             return self.k.fused_linear(h, product_weight)
-        residual = self._ready(residual)
         if into_residual:
             return self.k.fused_linear(h, product_weight, residual=residual, into_residual=True)
         return self.k.fused_linear(h, product_weight, residual=residual)
 
     def post_norm(self, y: torch.Tensor, n: Norm, residual: torch.Tensor, *, sum_first: bool) -> torch.Tensor:
-        y, residual = self._ready(y), self._ready(residual)
-        if sum_first:  # rms_norm mode 2: norm(y + residual)
-            return self.k.rms_norm(y, n.weight, self.cfg.norm_eps, residual, 2)
-        x = torch.empty_like(residual)
-        self._pending[id(x)] = SandwichResidual(y, residual, n.weight, self.cfg.norm_eps, x)
-        return x
+        # rms_norm mode 1: residual + norm(y); mode 2: norm(y + residual)
+        return self.k.rms_norm(y, n.weight, self.cfg.norm_eps, residual, 2 if sum_first else 1)
 
     def mlp(self, x: torch.Tensor, lw: LayerWeights, residual: torch.Tensor | None = None) -> torch.Tensor:
-        residual = None if residual is None else self._ready(residual)
         if self.k.persistent_mlp_applies(x, lw.gate_up, lw.down):
-            x = self._ready(x)
             return self.k.persistent_mlp(x, lw.mlp_norm.weight, self.cfg.norm_eps, lw.gate_up, lw.down, residual)
         return self.project(self.mlp_in(x, lw), lw.down, residual, into_residual=residual is not None)
 
@@ -565,18 +534,16 @@ class _FusedOps:
         act = self.k.ACT_SWIGLU if lw.gate_up is not None else self.k.ACT_GELU
         up = lw.gate_up if lw.gate_up is not None else lw.up
         assert up is not None
-        return self.k.fused_linear(x, self._w(up), norm_weight=lw.mlp_norm.weight, eps=self.cfg.norm_eps, act=act,
-                                   sandwich=self._take(x))  # fmt: skip
+        return self.k.fused_linear(x, self._w(up), norm_weight=lw.mlp_norm.weight, eps=self.cfg.norm_eps, act=act)
 
     def norm(self, x: torch.Tensor, n: Norm) -> torch.Tensor:
-        return self.k.rms_norm(self._ready(x), n.weight, self.cfg.norm_eps)
+        return self.k.rms_norm(x, n.weight, self.cfg.norm_eps)
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return self.k.add(self._ready(a), self._ready(b))
+        return self.k.add(a, b)
 
     def concat_project(self, state: torch.Tensor, prelude_out: torch.Tensor, adapter: Weight) -> torch.Tensor:
-        parts = (self._ready(state), self._ready(prelude_out))
-        return self.k.fused_linear(torch.cat(parts, dim=-1), self._w(adapter))
+        return self.k.fused_linear(torch.cat((state, prelude_out), dim=-1), self._w(adapter))
 
     def zeros_state(self, like: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(like)
@@ -586,13 +553,12 @@ class _FusedOps:
         return self.eng.noise[self.positions].to(like.dtype)
 
     def keep(self, x: torch.Tensor) -> torch.Tensor:
-        return self._ready(x)
+        return x
 
     def gate(self, state: torch.Tensor) -> torch.Tensor:
-        return self.dec._gate_logit(self._ready(state)).view(self.B, self.T)
+        return self.dec._gate_logit(state).view(self.B, self.T)
 
     def head(self, x: torch.Tensor, n: Norm | None, scale: float) -> torch.Tensor:
-        x = self._ready(x)
         if not self.last_only:
             rows = x
         elif self.last_index is None:
@@ -606,11 +572,11 @@ class _FusedOps:
         return logits.view(self.B, 1 if self.last_only else self.T, -1)
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
-        return self._ready(x).view(self.B, self.T, -1)
+        return x.view(self.B, self.T, -1)
 
     def where_rows(self, take_new: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         keep_new = take_new.repeat_interleave(self.T).view(-1, 1)
-        return torch.where(keep_new, self._ready(new), self._ready(old))
+        return torch.where(keep_new, new, old)
 
     def resume(self, state: torch.Tensor, prelude_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         d = self.cfg.d_model
