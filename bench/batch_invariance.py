@@ -2,8 +2,8 @@
 Scheduler (its prompt chunked differently, other requests joining), with the default kernels and with
 TINYLOOP_BATCH_INVARIANT=1? And what the mode costs.
 
-    PYTHONPATH=src python bench/batch_invariance.py --model seed.tinyloop --out F.json [--loops 8] [--tokens 48] \
-        [--prompts 6] [--modes default batch_invariant] [--no-timing]
+    PYTHONPATH=src:bench python bench/batch_invariance.py --model seed.tinyloop --out F.json [--loops 8] [--tokens 48] \
+        [--prompts 6] [--modes default batch_invariant] [--no-timing] [--policy batch_invariant_max_splits=4]
 
 For each mode (a Model loaded with the switch unset, then one loaded with it set):
 - alone: each of `--prompts` random prompts (17-200 tokens) through `generate`, greedy;
@@ -28,6 +28,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gpu_batched_decode import parse_overrides
+from gpu_suite import policy_overrides
 
 import tinyloop
 
@@ -109,9 +111,15 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--modes", nargs="+", default=["default", "batch_invariant"])
     ap.add_argument("--no-timing", action="store_true", help="the checks alone")
+    ap.add_argument("--policy", nargs="*", default=[], help="KernelPolicy fields to replace, as FIELD=VALUE")
     args = ap.parse_args()
+    with policy_overrides(parse_overrides(args.policy, None)):
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-                    "loops": args.loops, "tokens": args.tokens}  # fmt: skip
+                    "loops": args.loops, "tokens": args.tokens, "policy": args.policy}  # fmt: skip
     for mode in args.modes:
         os.environ[SWITCH] = "1" if mode == "batch_invariant" else "0"
         model = tinyloop.Model(args.model, max_seq_len=1024, device="cuda")

@@ -60,10 +60,13 @@ def test_the_switch_needs_the_warpgroup_kernel_and_excludes_persistent_decode(mo
         cuda_backend.kernel_policy(RuntimeEnv.read())
 
 
-def test_one_tile_and_one_split_per_matrix_at_every_row_count() -> None:
+@pytest.mark.parametrize("max_splits", [0, 4])
+def test_one_tile_and_one_split_per_matrix_at_every_row_count(max_splits: int) -> None:
     """Batch invariant, a matrix's tile (warps, row tiles, columns a step) and K splits are the same at every row
-    count, and every row count takes the tensor-core kernel; by default they follow the rows."""
-    invariant = KernelPolicy(mma_int4=True, mma_int4_wgmma=True, batch_invariant=True)
+    count (under the split cap where one is set), and every row count takes the tensor-core kernel; by default
+    they follow the rows."""
+    invariant = KernelPolicy(mma_int4=True, mma_int4_wgmma=True, batch_invariant=True,
+                             batch_invariant_max_splits=max_splits)  # fmt: skip
     default = dataclasses.replace(invariant, batch_invariant=False)
     for n, k in SHAPES:
         plans = set()
@@ -73,6 +76,7 @@ def test_one_tile_and_one_split_per_matrix_at_every_row_count() -> None:
             plans.add((warps, row_tiles, block_k, mma_int4_splits(invariant, k // block_k, n_tiles, m_tiles, rows_x)))
             assert rows_x in (16, 32) and invariant.mma_int4_takes_rows(rows)
         assert len(plans) == 1, (n, k, plans)
+        assert next(iter(plans))[3][0] <= (max_splits or k // 128), (n, k, plans)
         assert all(mma_int4_applies(invariant, _shaped(n, k), rows) for rows in ROWS), (n, k)
         default_plans = set()
         for rows in (2, 8, 32):

@@ -311,7 +311,7 @@ def mma_int4_splits(policy: KernelPolicy, k_tiles: int, n_tiles: int, m_tiles: i
     wgmma = policy.mma_int4_wgmma
     programs = policy.mma_int4_wgmma_programs if wgmma else policy.mma_int4_programs
     if policy.batch_invariant:
-        return _k_splits(programs, k_tiles, n_tiles)
+        return _k_splits(programs, k_tiles, n_tiles, policy.batch_invariant_max_splits or None)
     max_splits = max(1, policy.mma_int4_wgmma_split_rows // (rows_x * m_tiles)) if wgmma else None
     return _k_splits(programs, k_tiles, n_tiles * m_tiles, max_splits)
 

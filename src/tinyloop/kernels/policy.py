@@ -145,6 +145,10 @@ class KernelPolicy:
     # sequence's logits are then the same bits alone, in any batch and however its prompt is chunked (the kernel's
     # evidence: docs/BENCHMARKS.md; the end-to-end check and the price: bench/batch_invariance.py).
     batch_invariant: bool = False
+    # ... into at most this many K splits per matrix (0: as many as fill `mma_int4_wgmma_programs`): each split
+    # writes float32 partials for every row, which at 64 rows and 16 splits of a 2,048-column matrix are four times
+    # the weight's own bytes.
+    batch_invariant_max_splits: int = 0
     # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
     splitk_programs: int = 264
     # Cached attention (keys per block, warps) for heads of at least 128 and for narrower heads.
