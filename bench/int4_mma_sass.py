@@ -80,7 +80,8 @@ def compile_product(mma: Any, policy: Any, name: str, rows: int, wgmma: bool = F
     tile_bytes, steps = block_n * block_k // 2, k_step["instructions"]
     return {"product": name, "rows": rows, "tile": [warps, row_tiles, block_k, rows_x], "registers": registers,
             "local_bytes": local, "shared_bytes": compiled.metadata.shared, "k_step_instructions": steps,
-            "k_step_barriers": k_step["barriers"], "weight_bytes_per_step": tile_bytes,
+            "k_step_barriers": k_step["barriers"], "k_step_top_opcodes": k_step["top"],
+            "weight_bytes_per_step": tile_bytes,
             "warp_instructions_per_byte": round(steps * warps / tile_bytes, 3),
             "programs_per_sm": programs_per_sm(registers, compiled.metadata.shared, warps)}  # fmt: skip
 
