@@ -147,7 +147,8 @@ class KernelPolicy:
     batch_invariant: bool = False
     # ... into at most this many K splits per matrix (0: as many as fill `mma_int4_wgmma_programs`): each split
     # writes float32 partials for every row, which at 64 rows and 16 splits of a 2,048-column matrix are four times
-    # the weight's own bytes.
+    # the weight's own bytes. Off by default: on an H100 a cap of 4 made 64-row steps 7 % faster and 1-8-row steps
+    # 6-14 % slower (docs/BENCHMARKS.md).
     batch_invariant_max_splits: int = 0
     # The split-K kernel splits K until about this many programs run (two per SM of an H100/H200).
     splitk_programs: int = 264
