@@ -48,7 +48,7 @@ def compile_product(mma: Any, policy: Any, name: str, rows: int, wgmma: bool = F
     warps, row_tiles, block_k, rows_x = policy.mma_int4_tile(n, k, rows)
     block_n = 16 * warps * row_tiles
     kernel = mma._int4_mma_kernel
-    layouts = mma.layouts(warps, row_tiles, block_k, rows_x, wgmma)
+    layouts = mma.layouts(warps, row_tiles, block_k, rows_x, wgmma, GROUP)
     ahead = 2 if wgmma and rows_x <= policy.mma_int4_wgmma_loads_ahead_max_rows else 1
     constants: dict[str, Any] = dict(GROUP=GROUP, NORM=norm, BIAS=False, ACT=act, RESIDUAL=residual, BN=block_n,
                                      BK=block_k, MP=rows_x, AHEAD=ahead, PDL=2,

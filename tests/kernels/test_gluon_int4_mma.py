@@ -32,9 +32,9 @@ def _prmt(a: int, b: int, selector: int) -> int:
     return sum(pool[(selector >> 4 * i) & 0x7] << 8 * i for i in range(4))
 
 
-def _run_ptx(asm: str, word: int, pair: int, dtype: torch.dtype) -> torch.Tensor:
-    """The 8 16-bit values the decoding asm leaves in $0..$3 (low half first) for one word and (scale, minimum)."""
-    regs: dict[str, int] = {"$4": word & MASK32, "$12": pair & MASK32}
+def _run_ptx(asm: str, inputs: dict[str, int], dtype: torch.dtype) -> dict[str, int]:
+    """The registers after running asm (the PTX subset the decoding uses) from `inputs`."""
+    regs: dict[str, int] = {name: value & MASK32 for name, value in inputs.items()}
 
     def val(token: str) -> int:
         return int(token, 16) if token.startswith("0x") else regs[token]
@@ -61,7 +61,7 @@ def _run_ptx(asm: str, word: int, pair: int, dtype: torch.dtype) -> torch.Tensor
             regs[args[0]] = _pack((a * b + c).to(dtype))
         else:
             raise AssertionError(f"uninterpreted instruction {op}")
-    return torch.cat([_halves(regs[f"${j}"], dtype) for j in range(4)])
+    return regs
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -71,11 +71,13 @@ def test_decoding_ptx_gives_the_copys_weights_in_column_order(dtype: torch.dtype
     copy = CudaMmaInt4Weight.from_int4(BlockedInt4Weight.from_int4(w), dtype)
     asm_constant = gluon_int4_mma._DEQUANT_F16 if dtype == torch.float16 else gluon_int4_mma._DEQUANT_BF16
     asm = getattr(asm_constant, "value", asm_constant)  # a plain string where Triton is not installed
+    split = getattr(gluon_int4_mma._SPLIT_PAIR, "value", gluon_int4_mma._SPLIT_PAIR)
     expected = copy.dequantize()
     for row in range(8):
         for word in range(16):
-            pair = int(copy.pairs[row, word * 8 // 64])
-            got = _run_ptx(asm, int(copy.words[row, word]), pair, dtype)
+            halves = _run_ptx(split, {"$2": int(copy.pairs[row, word * 8 // 64])}, dtype)  # once per group
+            regs = _run_ptx(asm, {"$4": int(copy.words[row, word]), "$12": halves["$0"], "$20": halves["$1"]}, dtype)
+            got = torch.cat([_halves(regs[f"${j}"], dtype) for j in range(4)])
             assert torch.equal(got, expected[row, 8 * word : 8 * word + 8]), (row, word)
 
 

@@ -349,8 +349,8 @@ def _mma_int4_linear(policy: KernelPolicy, x: torch.Tensor, w: CudaMmaInt4Weight
         x, w.words, w.pairs, nw, part, squares, w.arrivals, out, res, b, M, n_total, K, tiles_per_split, eps,
         x.stride(0), K // 8, K // w.group_size, out.stride(0), res.stride(0), GROUP=w.group_size, NORM=flags["NORM"],
         BIAS=flags["BIAS"], ACT=flags["ACT"], RESIDUAL=flags["RESIDUAL"], BN=block_n, BK=block_k, MP=rows_x,
-        AHEAD=ahead, **gluon_int4_mma.layouts(warps, row_tiles, block_k, rows_x, wgmma), num_warps=warps, **cap,
-        **policy.pdl_options(),
+        AHEAD=ahead, **gluon_int4_mma.layouts(warps, row_tiles, block_k, rows_x, wgmma, w.group_size),
+        num_warps=warps, **cap, **policy.pdl_options(),
     )  # fmt: skip
     return out
 

@@ -77,13 +77,11 @@ def _constexpr(value: Any) -> Any:
 
 
 def _dequant_asm(magic: int, centre: int, op: str) -> str:
-    """PTX decoding one word ($4, repeated in $5..$11) with its group's scale and zero ($12: scale in the low 16
-    bits, zero = minimum + 8 scale in the high) into 8 16-bit weights ($0..$3): (magic | q) - (magic + 8) is
-    q - 8 exactly, then one fma with the scale and the zero."""
-    lines = [
-        "{", ".reg .b32 m, c, s2, z2, t;", f"mov.b32 m, {magic:#x};", f"mov.b32 c, {centre:#x};",
-        "prmt.b32 s2, $12, $12, 0x1010;", "prmt.b32 z2, $12, $12, 0x3232;",
-    ]  # fmt: skip
+    """PTX decoding one word ($4, repeated in $5..$11) with its group's scale and zero, each already in both
+    halves of a register ($12 and $20, from `_SPLIT_PAIR` once per group), into 8 16-bit weights ($0..$3):
+    (magic | q) - (magic + 8) is q - 8 exactly, then one fma with the scale and the zero."""
+    lines = ["{", ".reg .b32 m, c, s2, z2, t;", f"mov.b32 m, {magic:#x};", f"mov.b32 c, {centre:#x};",
+             "mov.b32 s2, $12;", "mov.b32 z2, $20;"]  # fmt: skip
     for j in range(4):
         source = "$4"
         if j:
@@ -96,7 +94,10 @@ def _dequant_asm(magic: int, centre: int, op: str) -> str:
 
 _DEQUANT_BF16 = _constexpr(_dequant_asm(0x43004300, 0x43084308, "bf16x2"))  # 128 + q, 136 as bfloat16
 _DEQUANT_F16 = _constexpr(_dequant_asm(0x64006400, 0x64086408, "f16x2"))  # 1024 + q, 1032 as float16
-_DEQUANT_CONSTRAINTS = _constexpr("=r,=r,=r,=r," + ",".join(["r"] * 16))
+_DEQUANT_CONSTRAINTS = _constexpr("=r,=r,=r,=r," + ",".join(["r"] * 24))
+# A (scale, zero) pair (scale in the low 16 bits, zero = minimum + 8 scale in the high) -> scale and zero, each in
+# both halves of a register.
+_SPLIT_PAIR = _constexpr("prmt.b32 $0, $2, $2, 0x1010;\nprmt.b32 $1, $2, $2, 0x3232;")
 FINISH_LOADS = _constexpr(4)
 
 
@@ -107,7 +108,9 @@ def _log2(n: int) -> int:
 
 
 @functools.cache
-def layouts(warps: int, row_tiles: int, block_k: int, rows_x: int, wgmma: bool = False) -> dict[str, Any]:
+def layouts(
+    warps: int, row_tiles: int, block_k: int, rows_x: int, wgmma: bool = False, group: int = 64
+) -> dict[str, Any]:
     """The layouts of a program with `warps` warps, each multiplying `row_tiles` tiles of 16 weight rows, over
     `block_k` columns per step, with `rows_x` rows of x (16-64); `wgmma`: the warpgroup version (whole
     warpgroups of warps), whose XL is x's loading layout, MMA its accumulator and XS x's shared-memory layout.
@@ -139,13 +142,14 @@ def layouts(warps: int, row_tiles: int, block_k: int, rows_x: int, wgmma: bool =
         block_bases=[],
         shape=[rows_x, block_k],
     )
+    words4 = _by_group(words3, group // 8)
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[warps, 1], instr_shape=[16, 8])
     finish = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[4, 8], warps_per_cta=[warps, 1], order=[1, 0])
     if not wgmma:
-        return {"W3": words3, "XL": x_tile, "MMA": mma, "FIN": finish, "XS": None, "WGMMA": False}
+        return {"W4": words4, "XL": x_tile, "MMA": mma, "FIN": finish, "XS": None, "WGMMA": False}
     columns = min(32, block_k // 8)
     return {
-        "W3": words3,
+        "W4": words4,
         "XL": gl.BlockedLayout([1, 8], [32 // columns, columns], [warps, 1], [1, 0]),
         "MMA": gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[warps, 1], instr_shape=[16, rows_x, 16]),
         "FIN": finish,
@@ -154,20 +158,41 @@ def layouts(warps: int, row_tiles: int, block_k: int, rows_x: int, wgmma: bool =
     }
 
 
+def _by_group(words3: Any, group_words: int) -> Any:
+    """The word layout [rows, BK / 8, 8] as [rows, groups, words a group, 8]: the same registers, lanes and warps,
+    so that a group's (scale, zero) pair is one value broadcast over its words."""
+
+    def split(basis: list[int]) -> list[int]:
+        r, w, c = basis
+        return [r, w // group_words, w % group_words, c]
+
+    rows, words, columns = words3.shape
+    return gl.DistributedLinearLayout(
+        reg_bases=[split(b) for b in words3.reg_bases],
+        lane_bases=[split(b) for b in words3.lane_bases],
+        warp_bases=[split(b) for b in words3.warp_bases],
+        block_bases=[],
+        shape=[rows, words // group_words, group_words, columns],
+    )
+
+
 @_jit
-def _dequantize(words, pairs, W3: gl.constexpr, F16: gl.constexpr):
-    """[BN, BK / 8] words and their groups' (scale, minimum) pairs -> [BN, BK / 8, 8] 16-bit weights in the
-    words' column order."""
-    zeros = gl.full([words.shape[0], words.shape[1], 8], 0, gl.int32, layout=W3)
-    w3 = gl.expand_dims(words, 2) + zeros
-    p3 = gl.expand_dims(pairs, 2) + zeros
+def _dequantize(words, pairs, W4: gl.constexpr, F16: gl.constexpr):
+    """[BN, groups, words a group] words and their groups' [BN, groups] (scale, zero) pairs -> [BN, BK / 8, 8]
+    16-bit weights in the words' column order."""
+    scale, zero = gl.inline_asm_elementwise(_SPLIT_PAIR, "=r,=r,r", [pairs], dtype=(gl.int32, gl.int32),
+                                            is_pure=True, pack=1)  # fmt: skip
+    zeros = gl.full([words.shape[0], words.shape[1], words.shape[2], 8], 0, gl.int32, layout=W4)
+    w4 = gl.expand_dims(words, 3) + zeros
+    s4 = gl.expand_dims(gl.expand_dims(scale, 2), 3) + zeros
+    z4 = gl.expand_dims(gl.expand_dims(zero, 2), 3) + zeros
     if F16:
-        w = gl.inline_asm_elementwise(_DEQUANT_F16, _DEQUANT_CONSTRAINTS, [w3, p3], dtype=gl.float16, is_pure=True,
-                                      pack=8)  # fmt: skip
-    else:
-        w = gl.inline_asm_elementwise(_DEQUANT_BF16, _DEQUANT_CONSTRAINTS, [w3, p3], dtype=gl.bfloat16,
+        w = gl.inline_asm_elementwise(_DEQUANT_F16, _DEQUANT_CONSTRAINTS, [w4, s4, z4], dtype=gl.float16,
                                       is_pure=True, pack=8)  # fmt: skip
-    return w
+    else:
+        w = gl.inline_asm_elementwise(_DEQUANT_BF16, _DEQUANT_CONSTRAINTS, [w4, s4, z4], dtype=gl.bfloat16,
+                                      is_pure=True, pack=8)  # fmt: skip
+    return gl.reshape(w, [words.shape[0], words.shape[1] * words.shape[2], 8])
 
 
 @_jit
@@ -229,7 +254,7 @@ def _int4_mma_kernel(
     BN: gl.constexpr,
     BK: gl.constexpr,
     MP: gl.constexpr,
-    W3: gl.constexpr,
+    W4: gl.constexpr,
     XL: gl.constexpr,
     MMA: gl.constexpr,
     FIN: gl.constexpr,
@@ -246,7 +271,9 @@ def _int4_mma_kernel(
     N % BN == 0, (N / 2) % BN == 0 for SwiGLU, and K % BK == 0 (the launcher checks). WGMMA: x (times the norm
     gain with NORM) is staged in shared memory once per K step for wgmma. AHEAD: K tiles loaded ahead of the
     one multiplied (1 or 2: a split is a few tiles, and each further tile in flight hides a DRAM latency)."""
-    LW: gl.constexpr = gl.SliceLayout(2, W3)
+    LW: gl.constexpr = gl.SliceLayout(3, W4)  # [BN, groups, words a group]
+    LP: gl.constexpr = gl.SliceLayout(2, LW)  # [BN, groups]
+    GW: gl.constexpr = GROUP // 8
     LA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2 if WGMMA else 8)
     LB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8)
     dt: gl.constexpr = x_ptr.dtype.element_ty
@@ -254,10 +281,12 @@ def _int4_mma_kernel(
     n_tiles = K // BK
     t_begin = gl.program_id(1) * tiles_per_split
     t_end = gl.minimum(n_tiles, t_begin + tiles_per_split)
-    rows = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LW))
-    words_at = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LW))
-    w_tile = w_ptr + rows[:, None] * stride_w + words_at[None, :]
-    g_tile = sm_ptr + rows[:, None] * stride_g + (words_at[None, :] * 8) // GROUP
+    rows = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, LW)))
+    groups_at = gl.arange(0, BK // GROUP, layout=gl.SliceLayout(0, gl.SliceLayout(2, LW)))
+    words_at = gl.arange(0, GW, layout=gl.SliceLayout(0, gl.SliceLayout(1, LW)))
+    w_tile = w_ptr + rows[:, None, None] * stride_w + groups_at[None, :, None] * GW + words_at[None, None, :]
+    pair_rows = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LP))
+    g_tile = sm_ptr + pair_rows[:, None] * stride_g + gl.arange(0, BK // GROUP, layout=gl.SliceLayout(0, LP))[None, :]
     xm = gl.program_id(2) * MP + gl.arange(0, MP, layout=gl.SliceLayout(1, XL))
     xc = gl.arange(0, BK, layout=gl.SliceLayout(0, XL))
     x_tile = x_ptr + xm[:, None] * stride_xm + xc[None, :]
@@ -303,11 +332,11 @@ def _int4_mma_kernel(
             x_shared.store(_in_wgmma_k_order(cur_x, MP, BK))
             fence_async_shared()
             gl.thread_barrier()
-            w = _in_wgmma_k_order(_dequantize(cur_words, cur_pairs, W3, F16), BN, BK)
+            w = _in_wgmma_k_order(_dequantize(cur_words, cur_pairs, W4, F16), BN, BK)
             acc = warpgroup_mma(gl.convert_layout(w, LA, assert_trivial=True), x_shared.permute((1, 0)), acc)
         else:
             xt = gl.convert_layout(gl.permute(_in_k_order(cur_x, MP, BK), [1, 0]), LB, assert_trivial=True)
-            w = _in_k_order(_dequantize(cur_words, cur_pairs, W3, F16), BN, BK)
+            w = _in_k_order(_dequantize(cur_words, cur_pairs, W4, F16), BN, BK)
             w = gl.convert_layout(w, LA, assert_trivial=True)
             acc = mma_v2(w, xt, acc)
     offs_n = gl.program_id(0) * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA))
