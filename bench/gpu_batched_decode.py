@@ -6,10 +6,12 @@ plain greedy decoding. Runs on an older checkout too (`PYTHONPATH=<tree>/src`), 
 
     PYTHONPATH=src python bench/gpu_batched_decode.py --model seed.tinyloop --out seed.json \\
         [--batches 1 2 4 8 16 32 64] [--loops 8] [--prompt-tokens 128] [--profile 2 64] [--agree] [--speculative] \\
-        [--policy gluon_gemv_max_rows=1 dense_copy_min_rows=2] [--tiles rows.json]
+        [--policy gluon_gemv_max_rows=1 dense_copy_min_rows=2] [--tiles rows.json] \\
+        [--mma-tiles 6144,2048,32=8,1,128,32]
 
---policy and --tiles load the model under a KernelPolicy with those fields replaced (--tiles: the `best_tiles`
-of bench/gluon_gemv_rows.py as `gluon_tiles`), to compare kernel choices on one machine.
+--policy, --tiles and --mma-tiles load the model under a KernelPolicy with those fields replaced (--tiles: the
+`best_tiles` of bench/gluon_gemv_rows.py as `gluon_tiles`; --mma-tiles: `mma_int4_tiles`), to compare kernel
+choices on one machine.
 
 Results of 2026-12-06 (H100): bench/results/h100_batched_decode.json, docs/BENCHMARKS.md.
 """
@@ -127,9 +129,28 @@ def main() -> None:
     parser.add_argument("--speculative", action="store_true", help="draft 2 / verify 8 against plain greedy")
     parser.add_argument("--policy", nargs="*", default=[], help="KernelPolicy fields to replace, as FIELD=VALUE")
     parser.add_argument("--tiles", help="bench/gluon_gemv_rows.py output whose best tiles the policy takes")
+    parser.add_argument(
+        "--mma-tiles", nargs="*", default=[], metavar="N,K,ROWS=W,R,BK,MP",
+        help="tensor-core INT4 tiles (warps, row tiles, BLOCK_K, x rows) for N x K at ROWS rows",
+    )  # fmt: skip
     args = parser.parse_args()
-    with policy_overrides(parse_overrides(args.policy, args.tiles)):
+    fields = parse_overrides(args.policy, args.tiles)
+    if args.mma_tiles:
+        fields["mma_int4_tiles"] = parse_mma_tiles(args.mma_tiles)
+    with policy_overrides(fields):
         run(args)
+
+
+def parse_mma_tiles(specs: list[str]) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """["6144,2048,32=8,1,128,32"] -> {(6144, 2048, 32): (8, 1, 128, 32)} (KernelPolicy.mma_int4_tiles)."""
+    tiles = {}
+    for spec in specs:
+        shape, _, tile = spec.partition("=")
+        key, value = tuple(int(v) for v in shape.split(",")), tuple(int(v) for v in tile.split(","))
+        if len(key) != 3 or len(value) != 4:
+            raise SystemExit(f"--mma-tiles: expected N,K,ROWS=WARPS,ROW_TILES,BLOCK_K,X_ROWS, got {spec!r}")
+        tiles[key] = value
+    return tiles
 
 
 def run(args: argparse.Namespace) -> None:
@@ -138,7 +159,7 @@ def run(args: argparse.Namespace) -> None:
     rng = np.random.default_rng(0)
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "loops": args.loops,
                     "prompt_tokens": args.prompt_tokens, "policy": args.policy, "tiles": args.tiles,
-                    "rows": {}}  # fmt: skip
+                    "mma_tiles": args.mma_tiles, "rows": {}}  # fmt: skip
     for rows in args.batches:
         prompts = random_prompts(rng, rows, vocab, args.prompt_tokens)
         timed_batch(model, prompts, 4, args.loops)
