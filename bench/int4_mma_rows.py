@@ -6,7 +6,10 @@ bfloat16 activations, relative error against float32 of the dequantized INT4 wei
 a few tiles (`KernelPolicy.mma_int4_tiles`) and split counts (`mma_int4_programs`). Device only.
 
     PYTHONPATH=src python bench/int4_mma_rows.py --out F.json [--rows 3 4 8 16 32 64] [--budget-s 240] \\
-        [--policy mma_int4_wgmma_loads_ahead=1] [--no-baselines] [--programs 132 264]
+        [--policy mma_int4_wgmma_loads_ahead=1] [--no-baselines] [--programs 132 264] [--group 32]
+
+--group: the INT4 group size of the random matrices (64, seed-407m's, by default; 32 and 128 check the kernel's
+other group layouts against float32).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from gpu_batched_decode import parse_overrides
 from tinyloop.env import RuntimeEnv
 from tinyloop.kernels import cuda_ops
 from tinyloop.kernels.cuda_backend import kernel_policy
-from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, CudaTinygemmWeight, quantize_int4
+from tinyloop.quant import INT4_GROUP_SIZES, BlockedInt4Weight, CudaMmaInt4Weight, CudaTinygemmWeight, quantize_int4
 
 SPLIT_PROGRAMS = (132, 264, 528, 1056)  # 132: one program an SM, gate / up at 32-64 rows without a K split
 
@@ -52,16 +55,17 @@ def main() -> None:
     ap.add_argument("--policy", nargs="*", default=[], help="KernelPolicy fields to replace, as FIELD=VALUE")
     ap.add_argument("--no-baselines", action="store_true", help="time the tensor-core kernel only")
     ap.add_argument("--programs", type=int, nargs="+", default=list(SPLIT_PROGRAMS), help="split K until about")
+    ap.add_argument("--group", type=int, choices=INT4_GROUP_SIZES, default=64, help="INT4 group size")
     args = ap.parse_args()
     t_start = time.perf_counter()
     policy = dataclasses.replace(kernel_policy(RuntimeEnv.read()), mma_int4=True, **parse_overrides(args.policy, None))
     gen = torch.Generator().manual_seed(0)
     dev = torch.device("cuda")
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-                    "shapes": {}, "best": {}}  # fmt: skip
+                    "group": args.group, "shapes": {}, "best": {}}  # fmt: skip
     for shape_index, (name, (n, k, act, norm, resid)) in enumerate(SHAPES.items()):
         deadline = t_start + args.budget_s * (shape_index + 1) / len(SHAPES)
-        ws = [BlockedInt4Weight.from_int4(quantize_int4(torch.randn(n, k, generator=gen) / k**0.5, 64)).to(dev)
+        ws = [BlockedInt4Weight.from_int4(quantize_int4(torch.randn(n, k, generator=gen) / k**0.5, args.group)).to(dev)
               for _ in range(COPIES)]  # fmt: skip
         dense = [cuda_ops.dequantize_int4(w, torch.bfloat16) for w in ws]
         tinygemm = [CudaTinygemmWeight.from_int4(w) for w in ws]
