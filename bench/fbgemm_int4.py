@@ -11,7 +11,8 @@ its group zero is minimum + 8 x scale (as tinygemm's), scales and zeros [K / gro
 minimums of the same matrix are passed through, nothing requantized.
 
 The wheel matching the device's torch (2.11: FBGEMM 1.6.0, built for CUDA 13) carries as a file; its operator
-library loads by path, without the rest of the fbgemm_gpu package:
+library loads by path (`--library`), without the rest of the fbgemm_gpu package (without `--library` the script
+imports the installed package):
 
     pip download --no-deps fbgemm-gpu-genai==1.6.0 -d build/          # here, once (build/ is git-ignored)
     python3 -m zipfile -e build/fbgemm_gpu_genai-1.6.0-*.whl /tmp/fbgemm && PYTHONPATH=src:bench python3 \\
@@ -61,12 +62,15 @@ def measure(label: str, fn: Callable[[int], torch.Tensor], ref: torch.Tensor, ro
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--library", required=True, help="fbgemm_gpu_experimental_gen_ai.so from the wheel")
+    ap.add_argument("--library", help="fbgemm_gpu_experimental_gen_ai.so from the wheel (default: import the package)")
     ap.add_argument("--rows", type=int, nargs="*", default=[2, 8, 16, 32, 64])
     ap.add_argument("--group", type=int, default=64)
     ap.add_argument("--products", nargs="*", default=list(PRODUCTS))
     args = ap.parse_args()
-    torch.ops.load_library(args.library)
+    if args.library:
+        torch.ops.load_library(args.library)
+    else:
+        import fbgemm_gpu.experimental.gen_ai  # noqa: F401  # registers torch.ops.fbgemm
     t0 = time.perf_counter()
     dev = torch.device("cuda")
     policy = dataclasses.replace(kernel_policy(RuntimeEnv.read()), mma_int4=True)
