@@ -14,7 +14,7 @@ The wheel matching the device's torch (2.11: FBGEMM 1.6.0, built for CUDA 13) ca
 library loads by path (`--library`), without the rest of the fbgemm_gpu package (without `--library` the script
 imports the installed package):
 
-    pip download --no-deps fbgemm-gpu-genai==1.6.0 -d build/          # here, once (build/ is git-ignored)
+    pip download --no-deps --only-binary=:all: --python-version 3.12 fbgemm-gpu-genai==1.6.0 -d build/  # here, once
     python3 -m zipfile -e build/fbgemm_gpu_genai-1.6.0-*.whl /tmp/fbgemm && PYTHONPATH=src:bench python3 \\
         bench/fbgemm_int4.py --library /tmp/fbgemm/fbgemm_gpu/experimental/gen_ai/fbgemm_gpu_experimental_gen_ai.so \\
         --out F.json
@@ -28,15 +28,14 @@ import time
 from collections.abc import Callable
 
 import torch
-from gluon_gemv_rows import copies_us, fused_product, write_json
+from gluon_gemv_rows import SHAPES, copies_us, fused_product, random_int4_copies, write_json
 
 from tinyloop.env import RuntimeEnv
 from tinyloop.kernels import cuda_ops
 from tinyloop.kernels.cuda_backend import kernel_policy
-from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, quantize_int4
+from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight
 
-PRODUCTS = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)}
-COPIES = 16
+PRODUCTS = {name: (n, k) for name, (n, k, *_) in SHAPES.items()}  # as plain products
 
 
 def fbgemm_operands(w: BlockedInt4Weight, scale_dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
@@ -79,8 +78,7 @@ def main() -> None:
                     "group": args.group, "products": {}}  # fmt: skip
     for name in args.products:
         n, k = PRODUCTS[name]
-        ws = [BlockedInt4Weight.from_int4(quantize_int4(torch.randn(n, k, generator=gen) / k**0.5, args.group)).to(dev)
-              for _ in range(COPIES)]  # fmt: skip
+        ws = random_int4_copies(n, k, gen, args.group)
         dense = [cuda_ops.dequantize_int4(w, torch.bfloat16) for w in ws]
         exact = ws[0].dequantize(torch.float32)
         mma = [CudaMmaInt4Weight.from_int4(w, torch.bfloat16) for w in ws]

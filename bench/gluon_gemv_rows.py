@@ -49,6 +49,13 @@ def fits(tile: tuple[int, ...], rows: int, act: int) -> bool:
     return tile[0] * tile[2] * 4 * (1 << (rows - 1).bit_length()) * (2 if act == 1 else 1) <= 32
 
 
+def random_int4_copies(n: int, k: int, gen: torch.Generator, group: int = 64) -> list[BlockedInt4Weight]:
+    """COPIES random INT4 matrices [n, k] on the GPU (weights ~ N(0, 1 / k)), so that cycling through them streams
+    each call's weights from DRAM."""
+    return [BlockedInt4Weight.from_int4(quantize_int4(torch.randn(n, k, generator=gen) / k**0.5, group)).to("cuda")
+            for _ in range(COPIES)]  # fmt: skip
+
+
 def copies_us(fn: Callable[[int], object]) -> float:
     """Median µs per call of fn(0..COPIES-1) captured in one graph (each call on another weight copy)."""
     copies = itertools.cycle(range(COPIES))
@@ -125,8 +132,7 @@ def main() -> None:
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
                     "gluon": policy.gluon_gemv, "shapes": {}, "best_tiles": {}}  # fmt: skip
     for name, (n, k, act, norm, resid) in SHAPES.items():
-        ws = [BlockedInt4Weight.from_int4(quantize_int4(torch.randn(n, k, generator=gen) / k**0.5, 64)).to(dev)
-              for _ in range(COPIES)]  # fmt: skip
+        ws = random_int4_copies(n, k, gen)
         dense = [cuda_ops.dequantize_int4(w, torch.bfloat16) for w in ws]
         tinygemm = [CudaTinygemmWeight.from_int4(w) for w in ws] if CudaTinygemmWeight.supports(ws[0]) else []
         nw = (1 + 0.1 * torch.randn(k, generator=gen)).to(dev, torch.bfloat16) if norm else None

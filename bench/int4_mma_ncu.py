@@ -15,11 +15,11 @@ import argparse
 import dataclasses
 
 import torch
-from gluon_gemv_rows import COPIES, SHAPES, fused_product
+from gluon_gemv_rows import COPIES, SHAPES, fused_product, random_int4_copies
 
 from tinyloop.env import RuntimeEnv
 from tinyloop.kernels.cuda_backend import kernel_policy
-from tinyloop.quant import BlockedInt4Weight, CudaMmaInt4Weight, quantize_int4
+from tinyloop.quant import CudaMmaInt4Weight
 
 
 def main() -> None:
@@ -31,13 +31,7 @@ def main() -> None:
     n, k, act, norm, resid = SHAPES[args.shape]
     gen = torch.Generator().manual_seed(0)
     dev = torch.device("cuda")
-    copies = [
-        CudaMmaInt4Weight.from_int4(
-            BlockedInt4Weight.from_int4(quantize_int4(torch.randn(n, k, generator=gen) / k**0.5, 64)).to(dev),
-            torch.bfloat16,
-        )
-        for _ in range(COPIES)
-    ]
+    copies = [CudaMmaInt4Weight.from_int4(w, torch.bfloat16) for w in random_int4_copies(n, k, gen)]
     x = torch.randn(args.rows, k, generator=gen).to(dev, torch.bfloat16)
     gain = (1 + 0.1 * torch.randn(k, generator=gen)).to(dev, torch.bfloat16) if norm else None
     res = torch.randn(args.rows, n // 2 if act == 1 else n, generator=gen).to(dev, torch.bfloat16) if resid else None

@@ -20,13 +20,22 @@ import time
 
 import torch
 import triton
-from gluon_gemv_rows import COPIES, SHAPES, copies_us, fused_product, keep_best, print_row, reference, write_json
+from gluon_gemv_rows import (
+    SHAPES,
+    copies_us,
+    fused_product,
+    keep_best,
+    print_row,
+    random_int4_copies,
+    reference,
+    write_json,
+)
 from gpu_batched_decode import parse_overrides
 
 from tinyloop.env import RuntimeEnv
 from tinyloop.kernels import cuda_ops
 from tinyloop.kernels.cuda_backend import kernel_policy
-from tinyloop.quant import INT4_GROUP_SIZES, BlockedInt4Weight, CudaMmaInt4Weight, CudaTinygemmWeight, quantize_int4
+from tinyloop.quant import INT4_GROUP_SIZES, CudaMmaInt4Weight, CudaTinygemmWeight
 
 SPLIT_PROGRAMS = (132, 264, 528, 1056)  # 132: one program an SM, gate / up at 32-64 rows without a K split
 
@@ -65,8 +74,7 @@ def main() -> None:
                     "group": args.group, "shapes": {}, "best": {}}  # fmt: skip
     for shape_index, (name, (n, k, act, norm, resid)) in enumerate(SHAPES.items()):
         deadline = t_start + args.budget_s * (shape_index + 1) / len(SHAPES)
-        ws = [BlockedInt4Weight.from_int4(quantize_int4(torch.randn(n, k, generator=gen) / k**0.5, args.group)).to(dev)
-              for _ in range(COPIES)]  # fmt: skip
+        ws = random_int4_copies(n, k, gen, args.group)
         dense = [cuda_ops.dequantize_int4(w, torch.bfloat16) for w in ws]
         tinygemm = [CudaTinygemmWeight.from_int4(w) for w in ws]
         mma = [CudaMmaInt4Weight.from_int4(w, torch.bfloat16) for w in ws]
